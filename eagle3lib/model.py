@@ -1,0 +1,442 @@
+"""The EAGLE-3 drafter: one Llama decoder layer fed by fused auxiliary target states.
+
+Follows ../shared/docs/eagle3.md and mirrors vLLM 0.32's `llama_eagle3.py` so that a drafter
+trained here computes the same function inside vLLM. What vLLM computes (read from
+vllm/model_executor/models/llama_eagle3.py and vllm/v1/spec_decode/llm_base_proposer.py):
+
+  combine_hidden_states:  g = fc(input_norm(a) if norm_before_fc else a),  a = [a_low; a_mid; a_high]
+  layer 0 (the only layer):
+      e = input_layernorm(embed(x))
+      norm_before_residual: n = hidden_norm(g); residual = n        (speculators layout default)
+      else:                 residual = g;  n = hidden_norm(g)        (original EAGLE-3 layout default)
+      x2 = cat([e, n], -1)                  # NOTE the order: EMBEDDING FIRST, then the hidden state
+      residual = self_attn(x2) + residual;  m = mlp(post_attention_layernorm(residual))
+  final:  h = m + residual  ("hidden_prenorm");  logits = lm_head(norm(h))
+  next drafting step receives h (pre-norm) unless config.norm_output, then norm(h).
+  The first drafting step at position t gets (g_t, x_{t+1}) at rope position t (input ids are
+  shifted left by one, positions unchanged); step j gets (h from step j-1, its own sampled
+  token) at position t+j. Later steps do NOT go through fc again.
+
+This module takes tensors only: no trainer, cache files or file formats.
+Shapes: B batch, T new positions, S cached positions, H hidden, V target vocab,
+Dv draft vocab, h/kv query/key-value heads, d head_dim.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ATTENTION_IMPLS = ("mask", "merge", "manual")
+
+
+@dataclass
+class Eagle3Config:
+    """Everything needed to rebuild the drafter; JSON-serialisable (dataclasses.asdict)."""
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict]          # None or transformers' rope_parameters (rope_type != default)
+    max_position_embeddings: int
+    vocab_size: int                       # TARGET vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: list = field(default_factory=list)
+    norm_before_residual: bool = True
+    norm_before_fc: bool = False
+    next_step_hidden: str = "pre_norm"    # pre_norm (vLLM default) | post_norm (vLLM norm_output)
+    hidden_act: str = "silu"
+
+    def __post_init__(self):
+        if self.next_step_hidden not in ("pre_norm", "post_norm"):
+            raise ValueError(f"next_step_hidden must be pre_norm or post_norm, got {self.next_step_hidden!r}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r}: only silu (Llama SwiGLU) is implemented")
+        if len(self.aux_layer_ids) != 3:
+            raise ValueError(f"aux_layer_ids must hold 3 layer ids, got {self.aux_layer_ids!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.hidden_size != self.target_hidden_size:
+            # vLLM asserts hidden_states.shape[-1] == embeds.shape[-1]: the embedding is the target's.
+            raise ValueError(f"hidden_size {self.hidden_size} must equal target_hidden_size "
+                             f"{self.target_hidden_size} (the drafter shares the target's embedding)")
+
+    @classmethod
+    def from_target_config(cls, hf_config, draft_vocab_size: int, aux_layer_ids, **choices) -> "Eagle3Config":
+        """Drafter config from the target's HF config (a multimodal wrapper's text_config is used).
+        `choices` overrides any field (norm_before_residual, norm_before_fc, next_step_hidden, ...)."""
+        c = getattr(hf_config, "text_config", None) or hf_config
+        get = (lambda k, d=None: c.get(k, d)) if isinstance(c, dict) else (lambda k, d=None: getattr(c, k, d))
+        heads = get("num_attention_heads")
+        rope = dict(get("rope_parameters") or {})          # transformers 5.x
+        legacy = get("rope_scaling")                         # transformers 4.x
+        if not rope and isinstance(legacy, dict):
+            rope = dict(legacy)
+        theta = rope.pop("rope_theta", None) or get("rope_theta") or 10000.0
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        kw = dict(
+            hidden_size=get("hidden_size"), intermediate_size=get("intermediate_size"),
+            num_attention_heads=heads, num_key_value_heads=get("num_key_value_heads") or heads,
+            head_dim=get("head_dim") or get("hidden_size") // heads,
+            rms_norm_eps=float(get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
+            rope_scaling=None if rope_type == "default" else rope,
+            max_position_embeddings=get("max_position_embeddings", 4096),
+            vocab_size=get("vocab_size"), draft_vocab_size=int(draft_vocab_size),
+            target_hidden_size=get("hidden_size"), aux_layer_ids=[int(i) for i in aux_layer_ids],
+            hidden_act=get("hidden_act", "silu"))
+        kw.update(choices)
+        return cls(**kw)
+
+
+class DraftKVCache:
+    """Keys/values of the drafter's single layer: k, v [B, kv, S, d] (keys after rotary)."""
+
+    def __init__(self):
+        self.k: Optional[torch.Tensor] = None
+        self.v: Optional[torch.Tensor] = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add k, v [B, kv, T, d]; return everything cached [B, kv, S+T, d]."""
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def crop(self, n: int) -> None:
+        """Keep the first n positions (drop rejected draft steps)."""
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
+
+    def clone(self) -> "DraftKVCache":
+        c = DraftKVCache()
+        c.k, c.v = self.k, self.v  # tensors are never modified in place
+        return c
+
+
+# ---- building blocks ----------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    """Llama RMSNorm (computed in fp32, as transformers and vLLM do)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding with the target's settings (neox / rotate-half style, as Llama)."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        d = config.head_dim
+        if config.rope_scaling is None:
+            inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+            scale = 1.0
+        else:  # linear / llama3 / yarn / ...: transformers' own init functions
+            from transformers import LlamaConfig
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+            rope = {**config.rope_scaling, "rope_theta": config.rope_theta}
+            rope_type = rope.get("rope_type", rope.get("type"))
+            if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
+                raise ValueError(f"rope type {rope_type!r} is not supported by the drafter")
+            hf = LlamaConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+                             head_dim=d, max_position_embeddings=config.max_position_embeddings,
+                             rope_parameters=rope)
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [d/2]
+        self.scale = float(scale)
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [B, T] -> cos, sin [B, 1, T, d] (fp32)."""
+        freqs = position_ids.float()[..., None] * self.inv_freq          # [B, T, d/2]
+        emb = torch.cat([freqs, freqs], dim=-1)                           # [B, T, d]
+        return (emb.cos() * self.scale)[:, None], (emb.sin() * self.scale)[:, None]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, d]; cos/sin [B, 1, T, d]."""
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+
+
+class Eagle3Attention(nn.Module):
+    """Llama attention whose q/k/v read 2H inputs ([embedding; hidden])."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        H, d = config.hidden_size, config.head_dim
+        self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(2 * H, self.n_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * H, self.n_kv * d, bias=False)
+        self.v_proj = nn.Linear(2 * H, self.n_kv * d, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * d, H, bias=False)
+
+    def qkv(self, x2: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x2 [B, T, 2H] -> q [B, h, T, d], k/v [B, kv, T, d] (q and k rotated)."""
+        B, T, _ = x2.shape
+        q = self.q_proj(x2).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x2).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x2).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def expand_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, kv, S, d] -> [B, h, S, d] (grouped-query attention)."""
+        rep = self.n_heads // self.n_kv
+        return x if rep == 1 else x.repeat_interleave(rep, dim=1)
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        """o [B, h, T, d] -> [B, T, H]."""
+        B, _, T, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        H, I = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """vLLM's `midlayer` (layers.0). The attention itself is done by the caller (cache or TTT)."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.norm_before_residual = config.norm_before_residual
+        self.hidden_norm = RMSNorm(H, eps)
+        self.input_layernorm = RMSNorm(H, eps)
+        self.self_attn = Eagle3Attention(config)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.mlp = Eagle3MLP(config)
+
+    def attention_input(self, hidden: torch.Tensor, embeds: torch.Tensor):
+        """hidden, embeds [B, T, H] -> x2 [B, T, 2H] = [input_layernorm(e); hidden_norm(g)], residual [B, T, H]."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        return torch.cat([self.input_layernorm(embeds), normed], dim=-1), residual
+
+    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """attn_out (after o_proj), residual [B, T, H] -> h [B, T, H] (pre final norm)."""
+        residual = attn_out + residual
+        return residual + self.mlp(self.post_attention_layernorm(residual))
+
+
+# ---- attention over the TTT layout --------------------------------------------------------
+def ttt_attention(q, k0, v0, kd, vd, impl: str = "manual", mask_cache: Optional[dict] = None):
+    """Attention of one TTT step j >= 0.
+
+    q [B, h, T, d]: queries of step j at positions 0..T-1.
+    k0, v0 [B, h, T, d]: step-0 keys/values (each query t sees positions <= t).
+    kd, vd: lists of j tensors [B, h, T, d], keys/values of steps 1..j (query t sees only t's).
+    Returns [B, h, T, d]. All implementations compute the same function.
+    """
+    B, h, T, d = q.shape
+    scale = 1.0 / math.sqrt(d)
+    j = len(kd)
+    if j == 0:
+        return F.scaled_dot_product_attention(q, k0, v0, is_causal=True)
+    if impl == "mask":
+        # keys of all steps concatenated along the sequence axis; prebuilt boolean block mask
+        # [T, (j+1)T]: causal over the step-0 block, the diagonal of every later block.
+        key = (T, j, q.device)
+        mask = None if mask_cache is None else mask_cache.get(key)
+        if mask is None:
+            eye = torch.eye(T, dtype=torch.bool, device=q.device)
+            causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+            mask = torch.cat([causal] + [eye] * j, dim=1)
+            if mask_cache is not None:
+                mask_cache[key] = mask
+        k = torch.cat([k0, *kd], dim=2)
+        v = torch.cat([v0, *vd], dim=2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    kd_s = torch.stack(kd, dim=3)                                  # [B, h, T, j, d]
+    vd_s = torch.stack(vd, dim=3)                                  # [B, h, T, j, d]
+    s_diag = (q.unsqueeze(3) * kd_s).sum(-1) * scale               # [B, h, T, j]
+    causal_blocked = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    if impl == "merge":
+        # step-0 part with the fused causal kernel, merged with the diagonal terms via its logsumexp
+        o_c = F.scaled_dot_product_attention(q, k0, v0, is_causal=True)                # [B, h, T, d]
+        s_c = (q @ k0.transpose(-1, -2) * scale).masked_fill(causal_blocked, float("-inf"))
+        lse_c = torch.logsumexp(s_c.float(), dim=-1, keepdim=True)                      # [B, h, T, 1]
+        lse_all = torch.logsumexp(torch.cat([lse_c, s_diag.float()], dim=-1), dim=-1, keepdim=True)
+        w_c = torch.exp(lse_c - lse_all).to(q.dtype)                                    # [B, h, T, 1]
+        w_d = torch.exp(s_diag.float() - lse_all).to(q.dtype)                           # [B, h, T, j]
+        return w_c * o_c + (w_d.unsqueeze(-1) * vd_s).sum(3)
+    if impl == "manual":
+        # one explicit softmax over [causal step-0 scores | j diagonal scores]
+        s_c = (q @ k0.transpose(-1, -2) * scale).masked_fill(causal_blocked, float("-inf"))  # [B, h, T, T]
+        p = torch.softmax(torch.cat([s_c, s_diag], dim=-1).float(), dim=-1).to(q.dtype)   # [B, h, T, T+j]
+        return p[..., :T] @ v0 + (p[..., T:].unsqueeze(-1) * vd_s).sum(3)
+    raise ValueError(f"attention impl {impl!r}: expected one of {ATTENTION_IMPLS}")
+
+
+# ---- the drafter ----------------------------------------------------------------------------
+class Eagle3Drafter(nn.Module):
+    """Parameter names follow vLLM's EAGLE-3 Llama drafter (see vllm-format.md)."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.config = config
+        H, V, Dv = config.hidden_size, config.vocab_size, config.draft_vocab_size
+        fc_in = 3 * config.target_hidden_size
+        if config.norm_before_fc:
+            self.input_norm = RMSNorm(fc_in, config.rms_norm_eps)     # vLLM: model.input_norm
+        self.fc = nn.Linear(fc_in, H, bias=False)
+        self.embed_tokens = nn.Embedding(V, H)
+        self.embed_tokens.weight.requires_grad_(False)                 # the target's, frozen
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.lm_head = nn.Linear(H, Dv, bias=False)
+        self.rotary = RotaryEmbedding(config)
+        self.register_buffer("d2t", torch.zeros(Dv, dtype=torch.int64))          # target = i + d2t[i]
+        self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
+        self.attention_impl = "manual"   # TTT attention formulation (see ttt_attention); same function
+        self._mask_cache: dict = {}
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(f"vocab shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)} do not match "
+                             f"the config ({tuple(self.d2t.shape)}, {tuple(self.t2d.shape)})")
+        self.d2t.copy_(d2t.to(torch.int64))
+        self.t2d.copy_(t2d.to(torch.bool))
+
+    # -- pieces shared by inference and TTT --
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [B, T, 3H] (or [B, T, 3, H]) -> g [B, T, H]."""
+        if aux.dim() == 4:
+            aux = aux.flatten(-2)
+        aux = aux.to(self.fc.weight.dtype)
+        if self.config.norm_before_fc:
+            aux = self.input_norm(aux)
+        return self.fc(aux)
+
+    def head(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [B, T, H] (pre-norm layer output) -> (logits [B, T, Dv], next_hidden [B, T, H])."""
+        normed = self.norm(h)
+        nxt = h if self.config.next_step_hidden == "pre_norm" else normed
+        return self.lm_head(normed), nxt
+
+    def _step_layer_input(self, hidden, input_ids, position_ids):
+        """-> q [B,h,T,d], k/v [B,kv,T,d], residual [B,T,H]."""
+        x2, residual = self.midlayer.attention_input(hidden, self.embed_tokens(input_ids))
+        cos, sin = self.rotary(position_ids)
+        q, k, v = self.midlayer.self_attn.qkv(x2, cos, sin)
+        return q, k, v, residual
+
+    # -- inference --
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                cache: Optional[DraftKVCache] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [B, T, H] (g, or the previous step's next_hidden), input_ids/position_ids [B, T].
+        Attends to everything in `cache` plus the T new positions causally and appends them to it.
+        Returns (logits [B, T, Dv] over the draft vocabulary, next_hidden [B, T, H])."""
+        attn = self.midlayer.self_attn
+        q, k, v, residual = self._step_layer_input(hidden, input_ids, position_ids)
+        if cache is not None:
+            k, v = cache.append(k, v)                                  # [B, kv, S+T, d]
+        T, S_all = q.shape[2], k.shape[2]
+        k, v = attn.expand_kv(k), attn.expand_kv(v)                    # [B, h, S+T, d]
+        if T == 1:
+            o = F.scaled_dot_product_attention(q, k, v)
+        else:  # query i (absolute S+i) sees all cached keys and new keys <= i
+            mask = torch.ones(T, S_all, dtype=torch.bool, device=q.device).tril(S_all - T)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        h = self.midlayer.finish(attn.out(o), residual)
+        return self.head(h)
+
+    # -- training-time test --
+    def ttt_hidden(self, aux: torch.Tensor, input_ids: torch.Tensor, ttt_steps: int) -> list[torch.Tensor]:
+        """The parallel TTT unroll. aux [B, T, 3H] (or [B, T, 3, H]), input_ids [B, T] = x_0..x_{T-1}.
+        Returns per step j the final-normed states [B, T, H] (feed to lm_head): step j at position t
+        reads (h_{j-1,t} or g_t, x_{t+1+j}) at rope position t+j and predicts x_{t+2+j}.
+        Positions whose input token lies beyond T read token id 0: their outputs are garbage but
+        finite and the loss must mask them (t + 2 + j >= length)."""
+        attn = self.midlayer.self_attn
+        B, T = input_ids.shape
+        base_pos = torch.arange(T, device=input_ids.device).expand(B, T)
+        hidden = self.fuse(aux)                                          # g [B, T, H]
+        k0 = v0 = None
+        kd, vd, outs = [], [], []
+        for j in range(ttt_steps):
+            ids = F.pad(input_ids[:, j + 1:], (0, min(j + 1, T)))       # x_{t+1+j}, 0 past the end
+            q, k, v, residual = self._step_layer_input(hidden, ids, base_pos + j)
+            k, v = attn.expand_kv(k), attn.expand_kv(v)                  # [B, h, T, d]
+            if j == 0:
+                k0, v0 = k, v
+            else:
+                kd.append(k)
+                vd.append(v)
+            o = ttt_attention(q, k0, v0, kd, vd, self.attention_impl, self._mask_cache)
+            h = self.midlayer.finish(attn.out(o), residual)              # [B, T, H]
+            normed = self.norm(h)
+            outs.append(normed)
+            hidden = h if self.config.next_step_hidden == "pre_norm" else normed
+        return outs
+
+    def ttt_forward(self, aux: torch.Tensor, input_ids: torch.Tensor, ttt_steps: int,
+                    attention_mask: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+        """Logits per TTT step, each [B, T, Dv]. attention_mask [B, T] (1 = real token) must be
+        right padding: causal attention then never lets a real position see padding."""
+        if attention_mask is not None:
+            m = attention_mask.bool()
+            if (m[:, 1:] & ~m[:, :-1]).any():
+                raise ValueError("ttt_forward: attention_mask must be right padding (ones, then zeros)")
+        return [self.lm_head(s) for s in self.ttt_hidden(aux, input_ids, ttt_steps)]
+
+    # -- vocabulary and weights --
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab ids (any shape) -> target ids."""
+        return draft_ids + self.d2t[draft_ids]
+
+    @classmethod
+    def from_target(cls, target_path, config: Eagle3Config, d2t: torch.Tensor, t2d: torch.Tensor,
+                    init_lm_head: bool = True) -> "Eagle3Drafter":
+        """A fresh drafter with the target's frozen embedding (and, with init_lm_head, lm_head rows
+        of the draft tokens copied from the target's head)."""
+        from .target import load_target_tensors
+        model = cls(config)
+        t = load_target_tensors(target_path)
+        if tuple(t["embed"].shape) != (config.vocab_size, config.hidden_size):
+            raise ValueError(f"target embedding {tuple(t['embed'].shape)} does not match the config "
+                             f"({config.vocab_size}, {config.hidden_size})")
+        model.set_vocab(d2t, t2d)
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(t["embed"].float())
+            if init_lm_head:
+                target_ids = torch.arange(config.draft_vocab_size) + model.d2t
+                model.lm_head.weight.copy_(t["lm_head"][target_ids].float())
+        return model

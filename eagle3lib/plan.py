@@ -1,0 +1,152 @@
+"""Capacity planner: how many tokens, how many bytes, how many hours, before anything runs.
+
+Everything here is arithmetic on the params profile plus a few stated throughput assumptions
+(measured on the 2-core CPU for the local profile; derived from FLOPs and an assumed model FLOP
+utilisation for GPU boxes). It imports nothing heavy so `eagle3 plan` answers at once.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .params import Params
+
+# Mean tokens of one ShareGPT conversation after the chat template (measured on SmolLM2's
+# tokenizer over the first 2,000 records, see NOTES.md); truncation caps it at max_length.
+SHAREGPT_MEAN_TOKENS = 1100
+# Regenerated chats: the prompt (system + first user turn) plus the capped answer.
+REGEN_PROMPT_TOKENS = 120
+
+# Throughputs measured on this 2-core CPU (DEVELOPERS.md, NOTES.md), tokens per second.
+CPU_EXTRACT_TOKENS_PER_S = 3400      # bf16 forward with hidden states, SmolLM2, 8 x 256
+CPU_TRAIN_TOKENS_PER_S = 800         # drafter training goal/measure at ttt_steps 7 (H=576)
+CPU_REGEN_TOKENS_PER_S = 400         # vLLM CPU batched generation (SmolLM2), see NOTES.md
+
+# GPU assumptions for a big box (stated, not measured here).
+GPU_BF16_FLOPS = 2.25e15             # dense bf16 per B300-class GPU
+MFU_EXTRACT = 0.30                   # forward-only, MoE, vLLM/TP or well-fed transformers
+MFU_TRAIN = 0.30
+MFU_REGEN = 0.10                     # decoding is memory-bound; a low utilisation is realistic
+
+
+@dataclass
+class Shape:
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    intermediate_size: int
+    active_params: float              # parameters touched per token (MoE: active experts)
+    num_gpus: int
+    name: str
+
+
+KNOWN_ACTIVE_PARAMS = {576: 135e6, 7168: 32e9}  # SmolLM2-135M; Kimi-K2.5-class (32B active of 1T)
+
+
+def target_shape(p: Params) -> Shape:
+    s = p.target_shape() or {}
+    h = s["hidden_size"]
+    active = KNOWN_ACTIVE_PARAMS.get(h) or 12 * s["num_hidden_layers"] * h * h + 2 * s["vocab_size"] * h
+    # A profile that asks for CUDA plans for its GPUs (extraction with device_map="auto" uses
+    # the whole node, training uses train.nproc ranks); "auto"/"cpu" plan for this CPU.
+    gpus = max(p.extract.nproc, p.train.nproc) if p.extract.device == "cuda" else 0
+    return Shape(s["num_hidden_layers"], h, s["vocab_size"], s.get("intermediate_size", 4 * h),
+                 active, gpus, p.target.path)
+
+
+def drafter_params(shape: Shape, draft_vocab: int) -> float:
+    """Trainable parameters of the one-layer drafter (fc, attention on 2H, SwiGLU MLP, lm_head)."""
+    h, i = shape.hidden_size, shape.intermediate_size
+    fc = 3 * h * h
+    attn = 2 * h * h * 2 + 2 * h * h // 2 + h * h  # q and k/v (kv heads <= heads) on 2H, o_proj
+    mlp = 3 * h * i
+    return fc + attn + mlp + draft_vocab * h
+
+
+def tokens_per_conversation(p: Params, stats: Optional[dict] = None) -> float:
+    if stats and stats.get("train_tokens") and stats.get("train_conversations"):
+        return stats["train_tokens"] / stats["train_conversations"]
+    if p.data.regenerate:
+        return min(p.data.max_length, REGEN_PROMPT_TOKENS + p.data.regen_max_new_tokens * p.data.regen_max_turns)
+    return min(p.data.max_length, SHAREGPT_MEAN_TOKENS)
+
+
+def capacity_plan(p: Params, stats: Optional[dict] = None) -> dict:
+    """The plan as a flat dict of named quantities (bytes, tokens, seconds)."""
+    shape = target_shape(p)
+    n_conv = p.data.num_train or 17_671 - p.data.num_eval
+    tok_per_conv = tokens_per_conversation(p, stats)
+    tokens = n_conv * tok_per_conv
+    elem = 2 if p.extract.dtype in ("bfloat16", "float16") else 4
+    bytes_per_token = elem * 4 * shape.hidden_size + 4 + 1  # aux (3H) + final (H), ids int32, mask u8
+    cache_bytes = tokens * bytes_per_token
+    draft_p = drafter_params(shape, p.data.draft_vocab_size)
+    steps = p.train.ttt_steps
+    regen_tokens = n_conv * p.data.regen_max_new_tokens * p.data.regen_max_turns if p.data.regenerate else 0
+    if shape.num_gpus == 0:  # this CPU: measured throughputs
+        extract_tps = CPU_EXTRACT_TOKENS_PER_S
+        train_tps = CPU_TRAIN_TOKENS_PER_S * 7 / steps
+        regen_tps = CPU_REGEN_TOKENS_PER_S
+        basis = "measured on the 2-core CPU"
+    else:  # FLOP-based: 2 FLOPs/param/token forward, x3 for training, per TTT step
+        flops = shape.num_gpus * GPU_BF16_FLOPS
+        extract_tps = flops * MFU_EXTRACT / (2 * shape.active_params)
+        train_flops_per_token = steps * 6 * draft_p + 2 * p.data.draft_vocab_size * shape.hidden_size
+        train_tps = flops * MFU_TRAIN / train_flops_per_token
+        regen_tps = flops * MFU_REGEN / (2 * shape.active_params)
+        basis = f"{shape.num_gpus} GPUs x {GPU_BF16_FLOPS / 1e15:.2f} PFLOP/s bf16 at the stated MFU"
+    epochs = p.train.epochs
+    return {
+        "target": shape.name,
+        "layers": shape.num_hidden_layers,
+        "hidden_size": shape.hidden_size,
+        "vocab_size": shape.vocab_size,
+        "aux_layers": p.aux_layer_ids(),
+        "train_conversations": n_conv,
+        "tokens_per_conversation": round(tok_per_conv, 1),
+        "tokens_to_extract": int(tokens),
+        "cache_bytes_per_token": bytes_per_token,
+        "cache_bytes": int(cache_bytes),
+        "drafter_params": int(draft_p),
+        "regen_tokens": int(regen_tokens),
+        "regen_hours": regen_tokens / regen_tps / 3600,
+        "extract_tokens_per_s": extract_tps,
+        "extract_hours": tokens / extract_tps / 3600,
+        "train_tokens_per_s": train_tps,
+        "train_hours": tokens * epochs / train_tps / 3600,
+        "throughput_basis": basis,
+    }
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000:
+            return f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} EB"
+
+
+def format_plan(plan: dict) -> str:
+    rows = [
+        ("target", plan["target"]),
+        ("shape", f"{plan['layers']} layers, hidden {plan['hidden_size']}, vocab {plan['vocab_size']}"),
+        ("aux layers", plan["aux_layers"]),
+        ("train conversations", f"{plan['train_conversations']:,}"),
+        ("tokens to extract", f"{plan['tokens_to_extract']:,} ({plan['tokens_per_conversation']} / conversation)"),
+        ("cache bytes / token", f"{plan['cache_bytes_per_token']:,}"),
+        ("hidden-state cache", human_bytes(plan["cache_bytes"])),
+        ("drafter parameters", f"{plan['drafter_params'] / 1e6:,.1f} M"),
+        ("regeneration", f"{plan['regen_tokens']:,} tokens, {plan['regen_hours']:.2f} h"),
+        ("extraction", f"{plan['extract_tokens_per_s']:,.0f} tok/s, {plan['extract_hours']:.2f} h"),
+        ("training", f"{plan['train_tokens_per_s']:,.0f} tok/s, {plan['train_hours']:.2f} h"),
+        ("throughput basis", plan["throughput_basis"]),
+    ]
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def load_stats(run_dir: Path) -> Optional[dict]:
+    path = Path(run_dir) / "data" / "stats.json"
+    return json.loads(path.read_text()) if path.is_file() else None
