@@ -113,6 +113,10 @@ class EvalParams:
     vllm_dtype: str = "float32"
     vllm_prompts: Optional[int] = None   # None: same as num_prompts
     dtype: str = "float32"               # eagle3lib reference decoder dtype
+    # Skip held-out prompts longer than this many tokens (chat template applied; counted and
+    # reported). None: keep all. Long prompts make CPU evaluation slow (prefill) without
+    # telling anything more about drafting.
+    max_prompt_tokens: Optional[int] = None
 
 
 @dataclass
@@ -312,6 +316,8 @@ def validate(p: Params) -> Params:
          "must be a non-empty list of ints >= 1")
     need(1 <= e.prompt_lookup_min <= e.prompt_lookup_max, "eval.prompt_lookup_min",
          "must satisfy 1 <= prompt_lookup_min <= prompt_lookup_max")
+    need(e.max_prompt_tokens is None or e.max_prompt_tokens >= 1, "eval.max_prompt_tokens",
+         "must be >= 1 (or null: no limit)")
 
     shape = p.target_shape()
     if p.target.shape is not None:
@@ -320,6 +326,9 @@ def validate(p: Params) -> Params:
     if p.target.path != EMBEDDED_TARGET and shape is None:
         raise ParamsError(f"target.path: {p.target.path!r} has no config.json and target.shape is not set")
     if shape is not None:
+        missing = {"num_hidden_layers", "vocab_size"} - set(shape)
+        need(not missing, "target.path", f"{p.target.path!r}: config.json lacks {sorted(missing)} "
+             "(not a decoder-only causal LM config?); set target.shape to override")
         v, n = shape["vocab_size"], shape["num_hidden_layers"]
         need(d.draft_vocab_size <= v, "data.draft_vocab_size",
              f"{d.draft_vocab_size} is larger than the target vocabulary ({v})")

@@ -89,3 +89,11 @@ def test_params_module_imports_nothing_heavy():
     code = "import sys, eagle3lib.params, eagle3lib.plan, eagle3lib.cli; print(any(m in sys.modules for m in ('torch', 'transformers', 'papermill')))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.stdout.strip() == "False"
+
+
+def test_non_causal_config_is_a_params_error(tmp_path):
+    model = tmp_path / "t5"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "t5", "d_model": 64, "vocab_size": 100}')
+    with pytest.raises(ParamsError, match="target.path"):
+        load_params(write(tmp_path, f"target: {{path: {model}}}"))

@@ -1,0 +1,133 @@
+"""Extraction throughput on the embedded SmolLM2 target versus a bare HF forward of the same batches.
+
+    python bench/extract.py [--batches 3] [--batch 8] [--seq 256] [--rounds 2] [--dtype bfloat16] [--threads N]
+
+Each method runs over the same batches of random token ids, once per round, in one process:
+  bare forward           model.model(ids, mask): the decoder alone, no capture (the baseline)
+  extract_hidden_states  the whole stage: capture + safetensors shards + sha256 + manifest
+  capture only (hooks)   HiddenStateCapture: pre-hooks on the 3 aux layers + final state, to CPU
+  output_hidden_states   the alternative: model.model(..., output_hidden_states=True), pick 3 + final
+The stage must run at >= 0.9x the bare forward. The order rotates every round so that load
+drift hits every method; wall and process CPU time are both reported (this CPU is shared).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eagle3lib.extract import HiddenStateCapture, extract_hidden_states  # noqa: E402
+from eagle3lib.params import load_params  # noqa: E402
+from eagle3lib.target import load_target, target_path, torch_dtype  # noqa: E402
+
+
+def timed(fn) -> tuple:
+    """(wall seconds, CPU seconds of this process, all threads)."""
+    w, c = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - w, time.process_time() - c
+
+
+def bare_forward(model, ids, mask):
+    with torch.inference_mode():
+        model.model(input_ids=ids, attention_mask=mask, use_cache=False)
+
+
+def output_hidden_states_capture(model, ids, mask, aux_layers, dtype):
+    """What the hooks replace: keep all N+1 states, then pick the aux ones and the final one."""
+    with torch.inference_mode():
+        hs = model.model(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=True).hidden_states
+        rows = mask.reshape(-1).nonzero().squeeze(1)
+        H = hs[-1].shape[-1]
+        aux = torch.stack([hs[k].reshape(-1, H)[rows] for k in aux_layers], dim=1).to(dtype).cpu()  # [n, 3, H]
+        final = hs[-1].reshape(-1, H)[rows].to(dtype).cpu()                                         # [n, H]
+    return aux, final
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", default="params/local.yaml")
+    ap.add_argument("--batches", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    P = load_params(args.params)
+    path = target_path(P)
+    model = load_target(path, args.dtype)
+    aux_layers = P.aux_layer_ids()
+    cache_dtype = torch_dtype(P.extract.dtype)
+    H = model.config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=gen)
+               for _ in range(args.batches)]
+    mask = torch.ones(args.batch, args.seq, dtype=torch.long)
+    tokens = args.batches * args.batch * args.seq
+    print(f"target {path.name} ({args.dtype}), aux layers {aux_layers}, H={H}; {args.batches} batches of "
+          f"{args.batch} x {args.seq} tokens; torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+    bare_forward(model, batches[0][:2, :64], mask[:2, :64])     # warm-up
+    from datasets import Dataset
+    ds = Dataset.from_dict({"conv_id": [str(i) for i in range(args.batches * args.batch)],
+                            "input_ids": [row.tolist() for ids in batches for row in ids],
+                            "loss_mask": [[1] * args.seq for _ in range(args.batches * args.batch)]})
+    cap = HiddenStateCapture(model, aux_layers)
+    summaries = []
+
+    def run_stage(tmp):
+        Pb = load_params(args.params, overrides={
+            "output_dir": tmp, "extract": {"batch_tokens": args.batch * args.seq,
+                                           "shard_tokens": 2 * args.batch * args.seq}})
+        summaries.append(extract_hidden_states(Pb, Pb.run_dir(), "train", model=model, dataset=ds, progress=False))
+
+    methods = {
+        "bare forward": lambda tmp: [bare_forward(model, ids, mask) for ids in batches],
+        "extract_hidden_states": run_stage,
+        "capture only (hooks)": lambda tmp: [[t.cpu() for t in cap(ids, mask, cache_dtype)] for ids in batches],
+        "output_hidden_states": lambda tmp: [output_hidden_states_capture(model, ids, mask, aux_layers, cache_dtype)
+                                             for ids in batches],
+    }
+    times = {name: [] for name in methods}       # per round: (wall, cpu)
+    names = list(methods)
+    try:
+        for r in range(args.rounds):               # rotate the order so drift hits every method
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                with tempfile.TemporaryDirectory(prefix="bench-extract-") as tmp:
+                    times[name].append(timed(lambda: methods[name](tmp)))
+    finally:
+        cap.close()
+
+    print(f"\n{'method':<24}{'wall s':>8}{'tok/s':>8}{'vs bare':>9}{'cpu s':>8}{'vs bare':>9}"
+          f"{'median of rounds':>18}")
+    bare_w = sum(w for w, _ in times["bare forward"])
+    bare_c = sum(c for _, c in times["bare forward"])
+    n_tok = tokens * args.rounds
+    for name, ts in times.items():
+        w, c = sum(t[0] for t in ts), sum(t[1] for t in ts)
+        # bare / method within each round (the two ran minutes apart at most): robust to slow drift
+        per_round = statistics.median(b[0] / t[0] for b, t in zip(times["bare forward"], ts))
+        print(f"{name:<24}{w:8.2f}{n_tok / w:8.0f}{bare_w / w:9.3f}{c:8.2f}{bare_c / c:9.3f}{per_round:18.3f}")
+    summary = summaries[-1]
+    ideal = 2 * 4 * H if P.extract.dtype != "float32" else 4 * 4 * H
+    bpt = summary["bytes_per_token"]
+    print(f"\ncache: {summary['bytes_total']} bytes, {bpt:.1f} bytes/token = {ideal} ({P.extract.dtype} x 4H) "
+          f"+ {bpt - ideal:.1f} ({100 * (bpt - ideal) / ideal:.2f}% ids/mask/offsets/header)")
+    print("per round wall s: " + "; ".join(f"{k} " + ", ".join(f"{t[0]:.2f}" for t in v) for k, v in times.items()))
+    ratio = bare_w / sum(t[0] for t in times["extract_hidden_states"])
+    return {"ratio_wall": ratio, "bytes_per_token": bpt}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,361 @@
+"""Hidden-state extraction: layer convention, padding, file format, resume after SIGKILL,
+torchrun sharding, bad input. All on the tiny fp32 target (6 layers, H=64)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3lib import extract as ex
+from eagle3lib.extract import CacheError, HiddenCache, HiddenStateCapture, extract_hidden_states
+from eagle3lib.params import ParamsError, load_params
+from eagle3lib.target import load_target
+
+AUX = [1, 3, 5]
+
+
+def make_params(target_dir, out_dir, **extract):
+    over = {"target": {"path": str(target_dir), "dtype": "float32"}, "output_dir": str(out_dir),
+            "extract": {"aux_layers": AUX, "batch_tokens": 256, "shard_tokens": 300, **extract}}
+    return load_params("params/ci.yaml", overrides=over)
+
+
+def make_dataset(lengths, seed=0, vocab=49152):
+    from datasets import Dataset
+    rng = random.Random(seed)
+    return Dataset.from_dict({
+        "conv_id": [f"c{i}" for i in range(len(lengths))],
+        "input_ids": [[rng.randrange(vocab) for _ in range(n)] for n in lengths],
+        "loss_mask": [[rng.randint(0, 1) for _ in range(n)] for n in lengths]})
+
+
+LENGTHS = [37, 120, 5, 64, 64, 99, 1, 128, 17, 80, 0, 45, 110, 9, 72]   # one empty row
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_target_dir):
+    return load_target(tiny_target_dir, "float32")
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return make_dataset(LENGTHS)
+
+
+def shard_bytes(out_dir: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(out_dir.glob("shard-*.safetensors"))}
+
+
+@pytest.fixture(scope="module")
+def clean_run(tiny_target_dir, tmp_path_factory, dataset):
+    """An uninterrupted single-process run (bf16 cache): the reference for byte comparisons."""
+    out = tmp_path_factory.mktemp("clean")
+    P = make_params(tiny_target_dir, out)
+    summary = extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
+    return P, summary, shard_bytes(ex.hidden_dir(P.run_dir(), "train"))
+
+
+# ---- plan ------------------------------------------------------------------------------------
+def test_plan_is_deterministic_and_respects_budgets():
+    rng = random.Random(1)
+    lengths = [rng.randint(0, 300) for _ in range(500)]
+    plans = ex.plan_shards(lengths, shard_tokens=2000, batch_tokens=700)
+    assert [p.seq_index for p in plans] == [p.seq_index for p in ex.plan_shards(lengths, 2000, 700)]
+    rows = [i for p in plans for i in p.seq_index]
+    assert sorted(rows) == [i for i, n in enumerate(lengths) if n > 0]       # each non-empty row once
+    assert all(lengths[a] >= lengths[b] for a, b in zip(rows, rows[1:]))     # longest first
+    for p in plans:
+        assert p.num_tokens <= 2000 or len(p.seq_index) == 1
+        assert [i for s, e in p.batches for i in range(s, e)] == list(range(len(p.seq_index)))
+        for s, e in p.batches:
+            assert (e - s) * p.lengths[s] <= 700 or e - s == 1
+    # a sequence longer than the batch budget runs alone
+    solo = ex.plan_shards([900, 10, 10], shard_tokens=10_000, batch_tokens=700)
+    assert solo[0].batches == [(0, 1), (1, 3)]
+
+
+# ---- capture: layer convention and padding ----------------------------------------------------
+def test_capture_matches_unpadded_forward_and_layer_convention(tiny_model):
+    """aux[:, j] == output_hidden_states[AUX[j]] and final == hidden_states[-1] (the lm_head input)
+    of an unpadded single-sequence forward, for every sequence of a right-padded batch."""
+    seqs = make_dataset([50, 13, 31], seed=3)["input_ids"]
+    ids, mask = ex.pad_batch(seqs)
+    cap = HiddenStateCapture(tiny_model, AUX)
+    try:
+        aux, final = cap(ids, mask, torch.float32)
+    finally:
+        cap.close()
+    assert aux.shape == (sum(map(len, seqs)), 3, 64) and final.shape == (aux.shape[0], 64)
+    start = 0
+    for s in seqs:
+        with torch.inference_mode():
+            out = tiny_model(torch.tensor([s]), output_hidden_states=True)
+        hs = out.hidden_states
+        n = len(s)
+        for j, k in enumerate(AUX):
+            torch.testing.assert_close(aux[start:start + n, j], hs[k][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(final[start:start + n], hs[-1][0], rtol=1e-5, atol=1e-5)
+        # the cached final state through the lm_head gives the model's logits
+        torch.testing.assert_close(tiny_model.lm_head(final[start:start + n]), out.logits[0], rtol=1e-4, atol=1e-4)
+        start += n
+    # the hooks are removed by close(): a later forward is untouched and captures nothing
+    assert not any(layer._forward_pre_hooks for layer in tiny_model.model.layers)
+
+
+# ---- the stage end to end --------------------------------------------------------------------
+def test_extract_roundtrip_fp32_matches_forward(tiny_target_dir, tiny_model, tmp_path, dataset):
+    P = make_params(tiny_target_dir, tmp_path, dtype="float32")
+    s = extract_hidden_states(P, P.run_dir(), "train", model=tiny_model, dataset=dataset, progress=False)
+    nonempty = [i for i, n in enumerate(LENGTHS) if n > 0]
+    assert s["complete"] and s["num_sequences"] == len(nonempty) and s["num_tokens"] == sum(LENGTHS)
+    assert s["empty_rows_skipped"] == 1 and s["num_shards"] > 3
+
+    cache = HiddenCache(ex.hidden_dir(P.run_dir(), "train"))
+    assert len(cache) == len(nonempty) and cache.seq_index == nonempty
+    assert cache.lengths == [LENGTHS[i] for i in nonempty]
+    assert cache.hidden_size == 64 and cache.aux_layers == AUX and cache.verify()
+    m = cache.manifest
+    assert m["params_hash"] == P.section_hash("data", "extract") and m["dtype"] == "float32"
+    assert Path(m["target_path"]) == Path(tiny_target_dir)
+    for i, row in enumerate(nonempty):
+        item = cache.get(i)
+        assert item["input_ids"].dtype == torch.long and item["input_ids"].tolist() == dataset[row]["input_ids"]
+        assert item["loss_mask"].tolist() == [bool(x) for x in dataset[row]["loss_mask"]]
+        with torch.inference_mode():
+            hs = tiny_model(torch.tensor([dataset[row]["input_ids"]]), output_hidden_states=True).hidden_states
+        torch.testing.assert_close(item["aux"], torch.stack([hs[k][0] for k in AUX], dim=1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(item["final"], hs[-1][0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(IndexError):
+        cache.get(len(cache))
+    # picklable for DataLoader workers: handles are dropped and reopened
+    import pickle
+    clone = pickle.loads(pickle.dumps(cache))
+    assert torch.equal(clone.get(2)["aux"], cache.get(2)["aux"])
+
+
+def test_shard_file_is_plain_safetensors_with_exact_size(clean_run):
+    from safetensors.torch import load_file
+    P, summary, shards = clean_run
+    out = ex.hidden_dir(P.run_dir(), "train")
+    H, total = 64, 0
+    for rec in json.loads((out / "manifest.json").read_text())["shards"]:
+        t = load_file(str(out / rec["file"]))
+        n, nseq = rec["num_tokens"], len(rec["seq_index"])
+        assert t["aux"].dtype == torch.bfloat16 and t["aux"].shape == (n, 3, H) and t["final"].shape == (n, H)
+        assert t["input_ids"].dtype == torch.int32 and t["loss_mask"].dtype == torch.uint8
+        assert t["offsets"].tolist()[-1] == n and t["seq_index"].tolist() == rec["seq_index"]
+        header = int.from_bytes(shards[rec["file"]][:8], "little") + 8
+        # bf16: 2 bytes x (3H + H) per token, 4 + 1 for id and mask, 8 per offset / row index
+        assert rec["bytes"] == len(shards[rec["file"]]) == header + n * (2 * 4 * H + 5) + 8 * (2 * nseq + 1)
+        total += rec["bytes"]
+    assert summary["bytes_total"] == total
+
+
+def test_rerun_skips_verified_shards_and_redoes_corrupt_ones(clean_run, tiny_target_dir, tmp_path, dataset):
+    P = make_params(tiny_target_dir, tmp_path)
+    dataset.save_to_disk(str(P.run_dir() / "data" / "train"))     # where the data stage puts it
+    first = extract_hidden_states(P, P.run_dir(), "train", progress=False)
+    again = extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
+    assert first["shards_written"] == first["num_shards"] and again["shards_written"] == 0
+    out = ex.hidden_dir(P.run_dir(), "train")
+    victim = out / "shard-00001.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CacheError, match="shard-00001.*sha256"):
+        HiddenCache(out).verify()
+    fixed = extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
+    assert fixed["shards_written"] == 1
+    assert shard_bytes(out) == clean_run[2]           # same bytes as the clean run
+    assert HiddenCache(out).verify()
+
+
+def test_changed_params_refuse_to_mix(tiny_target_dir, tmp_path, dataset):
+    P = make_params(tiny_target_dir, tmp_path)
+    extract_hidden_states(P, P.run_dir(), "train", dataset=dataset.select(range(4)), progress=False)
+    P2 = make_params(tiny_target_dir, tmp_path, batch_tokens=512)
+    with pytest.raises(CacheError, match=r"params_hash.*delete .* or use another run name"):
+        extract_hidden_states(P2, P2.run_dir(), "train", dataset=dataset.select(range(4)), progress=False)
+    with pytest.raises(CacheError, match="dataset_fingerprint"):
+        extract_hidden_states(P, P.run_dir(), "train", dataset=dataset.select(range(5)), progress=False)
+
+
+def test_partial_cache_is_refused_by_reader(tiny_target_dir, tmp_path, dataset, monkeypatch):
+    """A failed write (disk full in the middle) leaves no temp file and no half shard; the
+    reader refuses the unfinished cache; a rerun finishes it."""
+    P = make_params(tiny_target_dir, tmp_path)
+    real = ex._preallocate
+    calls = []
+
+    def full_after_two(fd, size):
+        calls.append(size)
+        if len(calls) > 2:
+            raise OSError(28, "No space left on device")
+        real(fd, size)
+    monkeypatch.setattr(ex, "_preallocate", full_after_two)
+    with pytest.raises(CacheError, match="No space left on device.*rerun"):
+        extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
+    out = ex.hidden_dir(P.run_dir(), "train")
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "shard-00000.safetensors",
+                                                     "shard-00001.safetensors"]
+    m = json.loads((out / "manifest.json").read_text())
+    assert not m["complete"] and [r["index"] for r in m["shards"]] == [0, 1]
+    with pytest.raises(CacheError, match="unfinished"):
+        HiddenCache(out)
+    assert len(HiddenCache(out, allow_partial=True)) == sum(len(r["seq_index"]) for r in m["shards"])
+    monkeypatch.setattr(ex, "_preallocate", real)
+    done = extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
+    assert done["complete"] and done["shards_skipped"] == 2
+
+
+# ---- SIGKILL and restart ---------------------------------------------------------------------
+WORKER = """
+import sys, time, torch
+from datasets import load_from_disk
+from eagle3lib.params import load_params
+from eagle3lib.extract import extract_hidden_states
+params, data, slow = sys.argv[1], sys.argv[2], float(sys.argv[3])
+P = load_params(params)
+if slow:   # slow the forward down so that the kill lands in the middle of the run
+    import transformers.models.llama.modeling_llama as llama
+    forward = llama.LlamaModel.forward
+    def slow_forward(self, *a, **k):
+        time.sleep(slow)
+        return forward(self, *a, **k)
+    llama.LlamaModel.forward = slow_forward
+print(extract_hidden_states(P, P.run_dir(), "train", dataset=load_from_disk(data), progress=False))
+"""
+
+
+def write_profile(tmp_path, tiny_target_dir, out_dir, name="p.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(f"""\
+        inherit: {Path("params/ci.yaml").resolve()}
+        output_dir: {out_dir}
+        target: {{path: {tiny_target_dir}, dtype: float32}}
+        extract: {{aux_layers: {AUX}, batch_tokens: 256, shard_tokens: 300}}
+        """))
+    return path
+
+
+def test_sigkill_then_restart_gives_identical_bytes(clean_run, tiny_target_dir, tmp_path, dataset):
+    out_root = tmp_path / "out"
+    profile = write_profile(tmp_path, tiny_target_dir, out_root)
+    P = load_params(profile)
+    assert P.section_hash("data", "extract") == clean_run[0].section_hash("data", "extract")
+    dataset.save_to_disk(str(tmp_path / "ds"))
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    out = ex.hidden_dir(P.run_dir(), "train")
+    proc = subprocess.Popen([sys.executable, str(script), str(profile), str(tmp_path / "ds"), "0.4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while not (out / "shard-00000.safetensors").exists():
+        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        assert time.time() < deadline, "the worker wrote no shard in 120 s"
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = json.loads((out / "manifest.json").read_text())["shards"] if (out / "manifest.json").exists() else []
+    assert len(done_before) < clean_run[1]["num_shards"]           # killed mid-run
+    resumed = extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
+    assert resumed["complete"] and resumed["shards_skipped"] == len(done_before)
+    assert not list(out.glob(".*tmp"))
+    assert shard_bytes(out) == clean_run[2]
+    clean_manifest = json.loads((ex.hidden_dir(clean_run[0].run_dir(), "train") / "manifest.json").read_text())
+    assert json.loads((out / "manifest.json").read_text())["shards"] == clean_manifest["shards"]
+
+
+# ---- torchrun: two ranks on CPU --------------------------------------------------------------
+def test_torchrun_two_ranks_equal_single_process(clean_run, tiny_target_dir, tmp_path, dataset):
+    out_root = tmp_path / "out"
+    profile = write_profile(tmp_path, tiny_target_dir, out_root)
+    dataset.save_to_disk(str(tmp_path / "ds"))
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(script), str(profile), str(tmp_path / "ds"), "0"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert "'world_size': 2" in r.stdout and "'rank': 1" in r.stdout
+    import re
+    per_rank = [int(n) for n in re.findall(r"'shards_written': (\d+)", r.stdout)]
+    assert len(per_rank) == 2 and min(per_rank) > 0 and sum(per_rank) == clean_run[1]["num_shards"]
+    out = ex.hidden_dir(load_params(profile).run_dir(), "train")
+    assert not list(out.glob("manifest.part-*"))                  # merged by rank 0
+    assert shard_bytes(out) == clean_run[2]
+    merged = json.loads((out / "manifest.json").read_text())
+    clean_manifest = json.loads((ex.hidden_dir(clean_run[0].run_dir(), "train") / "manifest.json").read_text())
+    assert merged["complete"] and merged["shards"] == clean_manifest["shards"]
+    assert HiddenCache(out).verify()
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+def test_target_that_is_not_a_causal_lm(tiny_target_dir, tmp_path, dataset):
+    from transformers import T5Config
+    t5 = tmp_path / "t5"
+    T5Config(vocab_size=100, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=2).save_pretrained(t5)
+    P = make_params(tiny_target_dir, tmp_path)
+    P.target.path = str(t5)
+    with pytest.raises(CacheError, match="T5Config.*not a causal language model"):
+        extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
+    empty = tmp_path / "no_config"
+    empty.mkdir()
+    P.target.path = str(empty)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
+    assert not list((tmp_path / "ci" / "hidden" / "train").glob("shard-*"))
+
+
+def test_aux_layers_out_of_range(tiny_target_dir, tiny_model, tmp_path, dataset):
+    with pytest.raises(ParamsError, match="aux_layers.*out of range"):
+        make_params(tiny_target_dir, tmp_path, aux_layers=[1, 3, 6])        # rejected by the params
+    P = make_params(tiny_target_dir, tmp_path)
+    P.extract.aux_layers = [1, 3, 99]                                        # bypassing validation
+    with pytest.raises(ParamsError, match=r"out of range.*6 decoder layers \(valid ids 0..5"):
+        extract_hidden_states(P, P.run_dir(), "train", model=tiny_model, dataset=dataset, progress=False)
+    assert not list(ex.hidden_dir(P.run_dir(), "train").glob("shard-*"))
+
+
+def test_empty_and_malformed_datasets(tiny_target_dir, tmp_path):
+    P = make_params(tiny_target_dir, tmp_path)
+    for ds in (make_dataset([]), make_dataset([0, 0])):
+        with pytest.raises(CacheError, match="has no tokens"):
+            extract_hidden_states(P, P.run_dir(), "train", dataset=ds, progress=False)
+    bad = make_dataset([4, 4]).map(lambda r, i: {"loss_mask": r["loss_mask"][:2] if i == 1 else r["loss_mask"]},
+                                  with_indices=True)
+    with pytest.raises(ValueError, match="row 1: 4 input_ids but 2 loss_mask"):
+        extract_hidden_states(P, P.run_dir(), "train", dataset=bad, progress=False)
+    with pytest.raises(CacheError, match="token id 70000, beyond the target's vocabulary"):
+        extract_hidden_states(P, P.run_dir(), "train", dataset=make_dataset([3]).map(
+            lambda r: {"input_ids": [1, 2, 70000]}), progress=False)
+    assert not list((tmp_path / "ci" / "hidden").rglob("shard-*"))
+
+
+def test_unwritable_or_full_output_dir(tiny_target_dir, tmp_path, dataset, monkeypatch):
+    P = make_params(tiny_target_dir, tmp_path)
+    blocker = tmp_path / "ci" / "hidden"
+    blocker.parent.mkdir(parents=True)
+    blocker.write_text("a file where the cache folder should be")
+    with pytest.raises(CacheError, match="cannot write the hidden-state cache"):
+        extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
+    with pytest.raises(CacheError, match="cannot write the hidden-state cache"):
+        extract_hidden_states(P, "/sys/eagle3lab-test-run", "train", dataset=dataset, progress=False)   # read-only fs
+    blocker.unlink()
+
+    class Usage:
+        free = 1000
+    monkeypatch.setattr(ex.shutil, "disk_usage", lambda path: Usage)
+    with pytest.raises(CacheError, match=r"not enough disk space.*GB are free"):
+        extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
+    assert not list((tmp_path / "ci" / "hidden").rglob("shard-*"))
