@@ -1,0 +1,355 @@
+"""Response regeneration: replace the assistant turns of training chats by the target's own answers.
+
+A drafter learns to predict the target; training it on the target's own outputs (instead of
+ShareGPT's ChatGPT answers) matches what it will see at inference. For every chat the history up to
+an assistant turn is sent to the target (greedy when `regen_temperature == 0`, sampled otherwise,
+at most `regen_max_new_tokens`), its answer replaces the original, and the next original user turn
+follows, for up to `regen_max_turns` assistant turns; later turns are dropped.
+
+Rules (documented choices):
+- An answer that hit the length cap has no end-of-turn token: it is marked `"capped": True` and ends
+  the chat; `data.tokenize_chat` then cuts the text after it, so no end token is added or trained
+  as if the model had stopped.
+- An empty (whitespace-only) answer ends the chat before that turn; when it is the first answer
+  the chat is dropped (counted `dropped_empty`).
+- A turn whose prompt already has `data.max_length` tokens or more is not generated (training
+  would truncate it away); if that is the first turn the chat is dropped (`dropped_too_long`).
+
+Backends: vLLM (`vllm.LLM(...).chat`) when `regen_backend` is "vllm", or "auto" and vllm is
+importable; it runs in a subprocess (`python -m eagle3lib.regenerate`) so that its engine and
+memory go away afterwards. Otherwise transformers `generate`, batched with left padding.
+
+Resumable: results go to `<run>/data/regen/<key>/chunk-*.jsonl`, one file per batch, written
+atomically; `<key>` hashes every setting the answers depend on. A rerun keeps finished chats.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Optional
+
+from .files import atomic_write_bytes, atomic_write_json
+
+# generate(conversations, seeds) -> [(text, new_tokens, capped)]
+Generator = Callable[[list, list], list]
+
+
+def resolve_backend(P) -> str:
+    backend = P.data.regen_backend
+    if backend == "auto":
+        return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+    return backend
+
+
+def regen_key(P) -> str:
+    """Hash of everything a regenerated answer depends on (not of which chats are asked for)."""
+    d = P.data
+    payload = {"target": P.target.path, "dtype": P.target.dtype, "backend": resolve_backend(P),
+               "max_new_tokens": d.regen_max_new_tokens, "temperature": d.regen_temperature,
+               "max_turns": d.regen_max_turns, "max_length": d.max_length, "seed": P.seed}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def regen_dir(P, run_dir) -> Path:
+    return Path(run_dir) / "data" / "regen" / regen_key(P)
+
+
+# ---- chunk files --------------------------------------------------------------------------
+def load_results(out_dir: Path) -> dict:
+    """{conv id: result} from every finished chunk file."""
+    results = {}
+    for path in sorted(Path(out_dir).glob("chunk-*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                r = json.loads(line)
+                results[r["id"]] = r
+    return results
+
+
+def write_chunk(out_dir: Path, results: list[dict]) -> Path:
+    digest = hashlib.sha256("\n".join(r["id"] for r in results).encode()).hexdigest()[:16]
+    path = Path(out_dir) / f"chunk-{digest}.jsonl"
+    blob = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results)
+    atomic_write_bytes(path, blob.encode("utf-8"))
+    return path
+
+
+# ---- the turn loop (backend independent) --------------------------------------------------
+def _prompt_tokens(tokenizer, history: list[dict]) -> int:
+    text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _seed(seed: int, conv_id: str, turn: int) -> int:
+    return int(hashlib.sha256(f"{seed}\x00{conv_id}\x00{turn}".encode()).hexdigest()[:8], 16)
+
+
+def regenerate_batch(chats: list[dict], generate: Generator, tokenizer, max_turns: int,
+                     max_length: int, seed: int = 0) -> list[dict]:
+    """Regenerate up to `max_turns` assistant turns of each chat, all chats of a turn in one call.
+
+    Returns one result per chat: {"id", "messages", "status": ok|empty|too_long,
+    "turns", "new_tokens", "capped", "empty_outputs"}."""
+    state = []
+    for chat in chats:
+        msgs = chat["messages"]
+        first = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        state.append({"id": chat["id"], "source": msgs, "next": first,  # index of the next answer
+                      "history": [dict(m) for m in msgs[:first]], "done": False, "turns": 0,
+                      "new_tokens": 0, "capped": False, "empty_outputs": 0, "status": "ok"})
+    for turn in range(max_turns):
+        active = [s for s in state if not s["done"]]
+        for s in active:
+            if _prompt_tokens(tokenizer, s["history"]) >= max_length:
+                s["done"] = True
+                if turn == 0:
+                    s["status"] = "too_long"
+        active = [s for s in active if not s["done"]]
+        if not active:
+            break
+        outputs = generate([s["history"] for s in active], [_seed(seed, s["id"], turn) for s in active])
+        for s, (text, new_tokens, capped) in zip(active, outputs):
+            s["new_tokens"] += new_tokens
+            if not text.strip():
+                s["empty_outputs"] += 1
+                s["done"] = True
+                if turn == 0:
+                    s["status"] = "empty"
+                else:  # drop the user turn that got no answer
+                    s["history"] = s["history"][:-1]
+                continue
+            answer = {"role": "assistant", "content": text}
+            if capped:
+                answer["capped"] = True
+            s["history"].append(answer)
+            s["turns"] += 1
+            s["capped"] = capped
+            nxt = s["next"] + 2  # the following answer; the user turn before it comes first
+            if capped or turn + 1 >= max_turns or nxt >= len(s["source"]):
+                s["done"] = True
+            else:
+                s["history"].append(dict(s["source"][s["next"] + 1]))
+                s["next"] = nxt
+    for s in state:  # a user turn appended for a turn that was never generated (too long)
+        if s["history"] and s["history"][-1]["role"] == "user" and s["status"] == "ok":
+            s["history"] = s["history"][:-1]
+    return [{"id": s["id"], "messages": s["history"] if s["status"] == "ok" else [],
+             "status": s["status"], "turns": s["turns"], "new_tokens": s["new_tokens"],
+             "capped": s["capped"], "empty_outputs": s["empty_outputs"]} for s in state]
+
+
+def run_chunks(chats: list[dict], generate: Generator, tokenizer, out_dir: Path, batch_size: int,
+               max_turns: int, max_length: int, seed: int = 0, progress: bool = True,
+               log: Callable[[str], None] = print) -> dict:
+    """Regenerate `chats` batch by batch; each finished batch is one chunk file."""
+    from tqdm.auto import tqdm
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Similar prompt lengths in one batch: less padding (HF) and better packing (vLLM).
+    order = sorted(chats, key=lambda c: (sum(len(m["content"]) for m in c["messages"][:2]), c["id"]))
+    t0, new_tokens = time.time(), 0
+    bar = tqdm(total=len(order), desc="regenerate", disable=not progress)
+    for start in range(0, len(order), batch_size):
+        results = regenerate_batch(order[start:start + batch_size], generate, tokenizer,
+                                   max_turns, max_length, seed)
+        write_chunk(out_dir, results)
+        new_tokens += sum(r["new_tokens"] for r in results)
+        bar.update(len(results))
+        seconds = time.time() - t0
+        log(f"[regen] {min(start + batch_size, len(order))}/{len(order)} chats, "
+            f"{new_tokens} new tokens, {new_tokens / max(seconds, 1e-9):.1f} tok/s")
+    bar.close()
+    return {"new_tokens": new_tokens, "seconds": round(time.time() - t0, 2)}
+
+
+# ---- backends -----------------------------------------------------------------------------
+class HFGenerator:
+    """transformers `generate`, batched with left padding."""
+
+    def __init__(self, model_path, dtype: str, max_new_tokens: int, temperature: float,
+                 trust_remote_code: bool = False):
+        from .target import load_target, load_tokenizer
+        self.tokenizer = load_tokenizer(model_path, trust_remote_code)
+        self.tokenizer.padding_side = "left"
+        self.model = load_target(model_path, dtype, trust_remote_code=trust_remote_code)
+        eos = self.model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = sorted(eos)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else self.eos_ids[0]
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+
+    def __call__(self, conversations: list, seeds: list) -> list:
+        import torch
+        from transformers import GenerationConfig
+        tok = self.tokenizer
+        prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+                   for c in conversations]
+        enc = tok(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
+        sample = self.temperature > 0
+        config = GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=sample,
+                                  temperature=self.temperature if sample else None,
+                                  top_p=1.0 if sample else None, top_k=0 if sample else None,
+                                  eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
+        if sample:
+            torch.manual_seed(seeds[0])
+        with torch.no_grad():
+            out = self.model.generate(**enc, generation_config=config)   # [B, P + new]
+        new = out[:, enc["input_ids"].shape[1]:].tolist()                # [B, <= max_new]
+        results = []
+        for row in new:
+            stop = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
+            tokens = row if stop is None else row[:stop]
+            text = tok.decode(tokens, skip_special_tokens=True)
+            results.append((text, len(tokens), stop is None))
+        return results
+
+
+class VLLMGenerator:
+    """vLLM's offline `LLM.chat` (public API). Construct it only in a `__main__` process."""
+
+    def __init__(self, model_path, dtype: str, max_new_tokens: int, temperature: float,
+                 max_model_len: int, seed: int = 0):
+        from vllm import LLM
+        self.llm = LLM(model=str(model_path), dtype=dtype, enforce_eager=True,
+                       gpu_memory_utilization=0.5, max_model_len=max_model_len, seed=seed)
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+
+    def __call__(self, conversations: list, seeds: list) -> list:
+        from vllm import SamplingParams
+        params = [SamplingParams(max_tokens=self.max_new_tokens, temperature=self.temperature,
+                                 seed=s if self.temperature > 0 else None) for s in seeds]
+        outputs = self.llm.chat(conversations, params, use_tqdm=False)
+        results = []
+        for out in outputs:
+            c = out.outputs[0]
+            # vLLM's token_ids include the end-of-turn token when it stopped; HF's count does not.
+            new_tokens = len(c.token_ids) - (1 if c.finish_reason == "stop" and c.token_ids else 0)
+            results.append((c.text, new_tokens, c.finish_reason == "length"))
+        return results
+
+
+def _run_vllm_subprocess(P, model_path: Path, chats: list[dict], out_dir: Path) -> None:
+    """Run `python -m eagle3lib.regenerate` on `chats`; relays its [regen] lines, keeps a log."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256("\n".join(c["id"] for c in chats).encode()).hexdigest()[:12]
+    requests = out_dir / f"requests-{digest}.jsonl"
+    atomic_write_bytes(requests, "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in chats).encode())
+    d = P.data
+    cmd = [sys.executable, "-m", "eagle3lib.regenerate", "--model", str(model_path),
+           "--requests", str(requests), "--out-dir", str(out_dir), "--dtype", P.target.dtype,
+           "--max-new-tokens", str(d.regen_max_new_tokens), "--temperature", str(d.regen_temperature),
+           "--max-turns", str(d.regen_max_turns), "--max-length", str(d.max_length),
+           "--batch-size", str(d.regen_batch_size), "--seed", str(P.seed)]
+    log_path = out_dir / "vllm.log"
+    tail = []
+    with open(log_path, "a", encoding="utf-8") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            log.write(line)
+            tail = (tail + [line.rstrip()])[-40:]
+            if line.startswith("[regen]"):
+                print(line.rstrip(), flush=True)
+        rc = proc.wait()
+    requests.unlink(missing_ok=True)
+    if rc != 0:
+        raise RuntimeError(f"vLLM regeneration failed (exit {rc}); log: {log_path}\n" + "\n".join(tail))
+
+
+def regenerate_chats(P, run_dir, chats: list[dict], progress: bool = True) -> tuple[list[dict], dict]:
+    """Regenerate `chats` (normalised, with ids). Returns (kept chats with the target's answers,
+    stats). Finished chats in the chunk files are reused; only the others are generated."""
+    from .target import target_path
+    d = P.data
+    out_dir = regen_dir(P, run_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out_dir / "config.json", {"key": regen_key(P), "backend": resolve_backend(P),
+                                                "target": P.target.path, "dtype": P.target.dtype,
+                                                "max_new_tokens": d.regen_max_new_tokens,
+                                                "temperature": d.regen_temperature,
+                                                "max_turns": d.regen_max_turns,
+                                                "max_length": d.max_length, "seed": P.seed})
+    done = load_results(out_dir)
+    wanted = {c["id"] for c in chats}
+    pending = [c for c in chats if c["id"] not in done]
+    from_cache = len(wanted & set(done))
+    backend = resolve_backend(P)
+    model_path = target_path(P)
+    run = {"new_tokens": 0, "seconds": 0.0}
+    if pending:
+        if backend == "vllm":
+            t0 = time.time()
+            before = sum(r["new_tokens"] for r in load_results(out_dir).values())
+            _run_vllm_subprocess(P, model_path, pending, out_dir)
+            after = sum(r["new_tokens"] for r in load_results(out_dir).values())
+            run = {"new_tokens": after - before, "seconds": round(time.time() - t0, 2)}
+        else:
+            generate = HFGenerator(model_path, P.target.dtype, d.regen_max_new_tokens,
+                                   d.regen_temperature, P.target.trust_remote_code)
+            run = run_chunks(pending, generate, generate.tokenizer, out_dir, d.regen_batch_size,
+                             d.regen_max_turns, d.max_length, P.seed, progress)
+    results = load_results(out_dir)
+    missing = wanted - set(results)
+    if missing:
+        raise RuntimeError(f"regeneration left {len(missing)} chats without a result, e.g. {sorted(missing)[:3]}")
+    kept, status = [], Counter()
+    for chat in chats:
+        r = results[chat["id"]]
+        status[r["status"]] += 1
+        if r["status"] == "ok":
+            kept.append({"id": chat["id"], "messages": r["messages"]})
+    picked = [results[c["id"]] for c in chats]
+    stats = {"backend": backend, "conversations": len(chats), "regenerated": len(pending),
+             "from_cache": from_cache, "kept": len(kept),
+             "dropped_empty": status["empty"], "dropped_too_long": status["too_long"],
+             "empty_outputs": sum(r["empty_outputs"] for r in picked),
+             "capped": sum(bool(r["capped"]) for r in picked),
+             "assistant_turns": sum(r["turns"] for r in picked),
+             "new_tokens_total": sum(r["new_tokens"] for r in picked),
+             "new_tokens_this_run": run["new_tokens"], "seconds_this_run": run["seconds"],
+             "tokens_per_s_this_run": round(run["new_tokens"] / run["seconds"], 1) if run["seconds"] else None,
+             "dir": str(out_dir)}
+    return kept, stats
+
+
+# ---- subprocess entry point (vLLM needs `if __name__ == "__main__"`) ------------------------
+def main(argv: Optional[list] = None) -> int:
+    ap = argparse.ArgumentParser(description="Regenerate assistant turns with vLLM (eagle3lib).")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--requests", required=True, help="JSONL of {id, messages}")
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-new-tokens", type=int, required=True)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--max-turns", type=int, default=1)
+    ap.add_argument("--max-length", type=int, required=True)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    from .target import load_tokenizer
+    chats = [json.loads(l) for l in Path(args.requests).read_text(encoding="utf-8").splitlines() if l.strip()]
+    done = load_results(Path(args.out_dir))
+    chats = [c for c in chats if c["id"] not in done]
+    print(f"[regen] vLLM: {len(chats)} chats to regenerate", flush=True)
+    if not chats:
+        return 0
+    tokenizer = load_tokenizer(Path(args.model))
+    generate = VLLMGenerator(args.model, args.dtype, args.max_new_tokens, args.temperature,
+                             max_model_len=args.max_length + args.max_new_tokens, seed=args.seed)
+    run_chunks(chats, generate, tokenizer, Path(args.out_dir), args.batch_size, args.max_turns,
+               args.max_length, args.seed, progress=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

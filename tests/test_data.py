@@ -1,0 +1,524 @@
+"""Data stage: reading, normalisation, malformed counting, split, loss mask, regeneration, caching."""
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from eagle3lib import data as D
+from eagle3lib.params import load_params
+from eagle3lib import regenerate as D_regen
+from eagle3lib.regenerate import load_results, regen_dir, regenerate_chats, write_chunk
+
+END = "<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_dir):
+    from eagle3lib.target import load_tokenizer
+    return load_tokenizer(smollm2_dir)
+
+
+def sharegpt(*turns, **extra):
+    return {"conversations": [{"from": f, "value": v} for f, v in turns], **extra}
+
+
+def openai(*turns, **extra):
+    return {"messages": [{"role": r, "content": c} for r, c in turns], **extra}
+
+
+# ---- normalisation ------------------------------------------------------------------------
+def test_normalize_sharegpt_form():
+    rec = sharegpt(("system", "Be nice."), ("human", "Hi"), ("gpt", "Hello"), ("user", "Bye"),
+                   ("assistant", "Ciao"))
+    assert D.normalize_chat(rec) == [
+        {"role": "system", "content": "Be nice."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "Ciao"}]
+
+
+def test_normalize_openai_form_with_text_parts():
+    rec = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                     {"type": "text", "text": "b"}]},
+                        {"role": "assistant", "content": "c"}]}
+    assert D.normalize_chat(rec) == [{"role": "user", "content": "ab"},
+                                     {"role": "assistant", "content": "c"}]
+
+
+def test_repairs_are_counted():
+    repairs = Counter()
+    rec = sharegpt(("gpt", "answer to a question we lost"), ("human", "q"), ("gpt", "a"),
+                   ("human", "unanswered"))
+    assert D.normalize_chat(rec, repairs) == [{"role": "user", "content": "q"},
+                                              {"role": "assistant", "content": "a"}]
+    assert repairs == Counter({"dropped_leading_assistant": 1, "dropped_trailing_user": 1})
+
+
+MALFORMED = [
+    ("not_a_dict", ["just", "a", "list"]),
+    ("missing_messages", {"id": "x", "text": "hello"}),
+    ("empty", sharegpt()),
+    ("wrong_type", {"conversations": "hi"}),
+    ("wrong_type", {"conversations": ["hi"]}),
+    ("wrong_type", openai(("user", 3), ("assistant", "b"))),
+    ("wrong_type", {"messages": [{"role": 1, "content": "a"}]}),
+    ("wrong_type", {"messages": [{"role": "user"}]}),
+    ("missing_role", {"conversations": [{"value": "x"}]}),
+    ("unknown_role", sharegpt(("human", "q"), ("bing", "a"))),
+    ("unknown_role", openai(("user", "q"), ("tool", "a"))),
+    ("empty_turn", sharegpt(("human", "  \n"), ("gpt", "a"))),
+    ("non_alternating", sharegpt(("human", "q"), ("human", "q2"), ("gpt", "a"))),
+    ("non_alternating", openai(("user", "q"), ("assistant", "a"), ("assistant", "b"))),
+    ("non_alternating", openai(("user", "q"), ("system", "s"), ("assistant", "a"))),
+    ("no_assistant_turn", sharegpt(("human", "q"))),
+    ("no_assistant_turn", sharegpt(("gpt", "only an answer"))),
+    ("no_assistant_turn", openai(("system", "s"), ("user", "q"))),
+]
+
+
+@pytest.mark.parametrize("reason,record", MALFORMED)
+def test_malformed_reason(reason, record):
+    with pytest.raises(D.MalformedRecord) as e:
+        D.normalize_chat(record)
+    assert e.value.reason == reason
+
+
+def write_jsonl(path: Path, records) -> Path:
+    lines = [r if isinstance(r, str) else json.dumps(r) for r in records]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_local_jsonl_openai_form_counts_every_record(tmp_path):
+    good = [openai(("user", f"question {i}"), ("assistant", f"answer {i}"), id=f"c{i}") for i in range(4)]
+    records = good + [
+        openai(("user", "question 0"), ("assistant", "answer 0"), id="dup-content"),  # duplicate
+        openai(("user", "other"), ("assistant", "text"), id="c1"),                    # id reused
+        "{not json",
+        openai(("user", "q")),                                                        # no answer
+        openai(("user", "q"), ("bard", "a")),
+        openai(("user", "x"), ("assistant", "y")),                                    # no id
+    ]
+    path = write_jsonl(tmp_path / "chats.jsonl", records)
+    chats, stats = D.load_chats(str(path))
+    assert stats["records_read"] == 10
+    assert stats["malformed"] == {"invalid_json": 1, "no_assistant_turn": 1, "unknown_role": 1}
+    assert stats["duplicates"] == 1 and stats["renamed_ids"] == 1
+    assert stats["valid"] == len(chats) == 6
+    ids = [c["id"] for c in chats]
+    assert ids == ["c0", "c1", "c2", "c3", "c1#1", "record-9"]
+    assert chats[0]["messages"] == [{"role": "user", "content": "question 0"},
+                                    {"role": "assistant", "content": "answer 0"}]
+    # max_records counts raw records, malformed ones included
+    chats, stats = D.load_chats(str(path), max_records=7)
+    assert stats["records_read"] == 7 and stats["malformed"] == {"invalid_json": 1}
+
+
+def test_json_array_truncated_and_invalid(tmp_path):
+    recs = [sharegpt(("human", f"q{i}"), ("gpt", f"a{i}"), id=str(i)) for i in range(3)]
+    text = json.dumps(recs, indent=1)
+    cut = tmp_path / "cut.json"
+    cut.write_text(text[: text.rindex('"a2"')])       # cut inside the last record
+    items = list(D.iter_raw_records(str(cut)))
+    assert [type(x).__name__ for x in items] == ["dict", "dict", "MalformedRecord"]
+    assert items[-1].reason == "truncated"
+    bad = tmp_path / "bad.json"
+    bad.write_text(text[: text.rindex('"a2"')] + "oops]")
+    assert list(D.iter_raw_records(str(bad)))[-1].reason == "invalid_json"
+    whole = tmp_path / "whole.json"
+    whole.write_text(text)
+    chats, stats = D.load_chats(str(whole))
+    assert stats["valid"] == 3 and stats["malformed_total"] == 0
+
+
+def test_sharegpt_reader_reads_every_whole_record():
+    items = list(D.iter_raw_records("sharegpt"))
+    whole = [x for x in items if isinstance(x, dict)]
+    broken = [x for x in items if not isinstance(x, dict)]
+    assert len(whole) == 17671
+    assert len(broken) == 1 and broken[0].reason == "truncated" and items[-1] is broken[0]
+    assert all("conversations" in r and "id" in r for r in whole[:100])
+    first = list(D.iter_raw_records("sharegpt", max_records=50))
+    assert len(first) == 50 and first == whole[:50]
+
+
+# ---- split --------------------------------------------------------------------------------
+def test_split_is_deterministic_and_disjoint():
+    chats, _ = D.load_chats("sharegpt", max_records=400)
+    ev, pool = D.split_chats(chats, 30, seed=0)
+    shuffled = chats[:]
+    random.Random(1).shuffle(shuffled)
+    ev2, pool2 = D.split_chats(shuffled, 30, seed=0)
+    assert [c["id"] for c in ev] == [c["id"] for c in ev2]
+    assert [c["id"] for c in pool] == [c["id"] for c in pool2]
+    assert len(ev) == 30 and len(ev) + len(pool) == len(chats)
+    assert not {c["id"] for c in ev} & {c["id"] for c in pool}
+    assert not ({D.chat_hash(c["messages"]) for c in ev} & {D.chat_hash(c["messages"]) for c in pool})
+    ev3, _ = D.split_chats(chats, 30, seed=1)
+    assert {c["id"] for c in ev3} != {c["id"] for c in ev}
+    with pytest.raises(ValueError, match="num_eval"):
+        D.split_chats(chats, len(chats), seed=0)
+
+
+def test_duplicate_content_never_crosses_the_split(tmp_path):
+    # Many copies of one chat under different ids: all but one are dropped before the split.
+    recs = [openai(("user", "same"), ("assistant", "same answer"), id=f"copy{i}") for i in range(20)]
+    recs += [openai(("user", f"q{i}"), ("assistant", f"a{i}"), id=f"u{i}") for i in range(20)]
+    chats, stats = D.load_chats(str(write_jsonl(tmp_path / "d.jsonl", recs)))
+    assert stats["duplicates"] == 19
+    ev, pool = D.split_chats(chats, 5, seed=3)
+    hashes_ev = {D.chat_hash(c["messages"]) for c in ev}
+    assert not hashes_ev & {D.chat_hash(c["messages"]) for c in pool}
+
+
+# ---- chat template and loss mask --------------------------------------------------------------
+def masked_runs(tok, ids, mask):
+    """Decoded text of every maximal run of mask == 1."""
+    runs, cur = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return [tok.decode(r) for r in runs]
+
+
+CHAT = [{"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Write 日本 and 🙂, then code:"},
+        {"role": "assistant", "content": " ```python\nprint('x')\n```\n\n多谢 🙂 done."}]
+
+
+def test_mask_covers_exactly_the_assistant_spans(tok):
+    row = D.tokenize_chat(tok, CHAT, max_length=4096)
+    ids, mask = row["input_ids"], row["loss_mask"]
+    assert len(ids) == len(mask) and not row["truncated"]
+    assert masked_runs(tok, ids, mask) == [CHAT[2]["content"] + END, CHAT[4]["content"] + END]
+    # Everything unmasked is template and user/system text; the whole decodes to the render.
+    assert tok.decode(ids) == tok.apply_chat_template(CHAT, tokenize=False)
+    unmasked = tok.decode([i for i, m in zip(ids, mask) if not m])
+    assert "Hello" not in unmasked and "Hi there" in unmasked and "You answer briefly." in unmasked
+    shown = D.loss_mask_text(tok, ids, mask)
+    assert "[[" + CHAT[2]["content"] + END + "]]" in shown and shown.count("[[") == 2
+    # The newline after <|im_end|> and the next header are not trained.
+    first_end = ids.index(tok.convert_tokens_to_ids(END), ids.index(tok.convert_tokens_to_ids(END)) + 1)
+    assert mask[first_end + 1] == 0
+
+
+def test_mask_without_system_uses_the_default_system(tok):
+    chat = CHAT[1:3]
+    row = D.tokenize_chat(tok, chat, max_length=4096)
+    assert masked_runs(tok, row["input_ids"], row["loss_mask"]) == [chat[1]["content"] + END]
+    assert "SmolLM" in tok.decode(row["input_ids"])   # the template's default system prompt
+
+
+def test_capped_answer_gets_no_end_token(tok):
+    chat = CHAT[:2] + [{"role": "assistant", "content": "This answer was cut", "capped": True}]
+    row = D.tokenize_chat(tok, chat, max_length=4096)
+    assert masked_runs(tok, row["input_ids"], row["loss_mask"]) == ["This answer was cut"]
+    assert tok.decode(row["input_ids"]).endswith("This answer was cut")
+    assert row["loss_mask"][-1] == 1
+
+
+def test_truncation_keeps_a_prefix(tok):
+    full = D.tokenize_chat(tok, CHAT, max_length=4096)
+    n = full["num_tokens"]
+    cut = D.tokenize_chat(tok, CHAT, max_length=n - 5)
+    assert cut["truncated"] and cut["num_tokens"] == n
+    assert cut["input_ids"] == full["input_ids"][: n - 5]
+    assert cut["loss_mask"] == full["loss_mask"][: n - 5]
+    # Truncated before the first answer: nothing to train, the chat is dropped and counted.
+    prompt_len = len(tok(tok.apply_chat_template(CHAT[:2], tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"])
+    cols, stats = D.tokenize_chats(tok, [{"id": "a", "messages": CHAT}], max_length=prompt_len)
+    assert stats["dropped_no_assistant_tokens"] == 1 and cols["conv_id"] == []
+    assert not D.first_answer_fits(tok, CHAT, prompt_len)
+    assert D.first_answer_fits(tok, CHAT, prompt_len + 1)
+    cols, stats = D.tokenize_chats(tok, [{"id": "a", "messages": CHAT}], max_length=prompt_len + 1)
+    assert stats["conversations"] == 1 and cols["loss_mask"][0][-1] == 1
+
+
+# ---- regeneration (HF backend, tiny random target) ----------------------------------------
+def tiny_params(tiny_target_dir, tmp_path, **data):
+    overrides = {"target": {"path": str(tiny_target_dir), "dtype": "float32"},
+                 "output_dir": str(tmp_path),
+                 "data": {"regenerate": True, "regen_backend": "hf", "regen_max_new_tokens": 5,
+                          "regen_batch_size": 2, "max_length": 96, "draft_vocab_size": 64, **data}}
+    return load_params("params/ci.yaml", overrides)
+
+
+REGEN_CHATS = [
+    {"id": "a", "messages": [{"role": "user", "content": "Name a color."},
+                             {"role": "assistant", "content": "Blue."},
+                             {"role": "user", "content": "Another one?"},
+                             {"role": "assistant", "content": "Red."}]},
+    {"id": "b", "messages": [{"role": "system", "content": "Be short."},
+                             {"role": "user", "content": "2+2?"},
+                             {"role": "assistant", "content": "4"}]},
+    {"id": "c", "messages": [{"role": "user", "content": "Say hi."},
+                             {"role": "assistant", "content": "Hi!"}]},
+]
+
+
+@pytest.fixture(scope="module")
+def varied_tiny_dir(tiny_target_dir, tmp_path_factory):
+    """The tiny target with a random final-norm scale: its greedy answers vary with the prompt
+    (the plain random model just repeats "\n", which would make comparisons meaningless)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    out = tmp_path_factory.mktemp("varied_tiny")
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_target_dir), dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        model.model.norm.weight.copy_(3 * torch.randn(model.model.norm.weight.shape, generator=g))
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(str(tiny_target_dir)).save_pretrained(out)
+    return out
+
+
+def greedy_reference(model_dir, messages, max_new_tokens):
+    """Unbatched greedy decoding of one prompt with plain transformers: (new ids, hit eos)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    new = out[0, ids.shape[1]:].tolist()
+    if tok.eos_token_id in new:
+        return new[:new.index(tok.eos_token_id)], True
+    return new, False
+
+
+def check_against_reference(model_dir, convs, max_new_tokens):
+    from eagle3lib.regenerate import HFGenerator
+    gen = HFGenerator(model_dir, "float32", max_new_tokens=max_new_tokens, temperature=0.0)
+    outputs = gen(convs, list(range(len(convs))))
+    for conv, (text, n_new, capped) in zip(convs, outputs):
+        ref_ids, hit_eos = greedy_reference(model_dir, conv, max_new_tokens)
+        assert n_new == len(ref_ids) and capped == (not hit_eos)
+        assert text == gen.tokenizer.decode(ref_ids, skip_special_tokens=True)
+    return outputs
+
+
+def test_hf_generator_matches_unbatched_greedy(varied_tiny_dir):
+    """Batched, left-padded generation gives what each prompt gives alone (fp32, greedy)."""
+    convs = [c["messages"][:[m["role"] for m in c["messages"]].index("assistant")] for c in REGEN_CHATS]
+    convs[2] = [{"role": "user", "content": "A much longer prompt, so that the others are padded " * 3}]
+    outputs = check_against_reference(varied_tiny_dir, convs, 6)
+    assert len({text for text, _, _ in outputs}) == 3 and all(capped for _, _, capped in outputs)
+
+
+def test_hf_generator_stops_at_end_of_turn(smollm2_dir):
+    """On the real target a short answer ends with <|im_end|>: not capped, end token not in text."""
+    convs = [[{"role": "user", "content": "Reply with only the word: yes"}],
+             [{"role": "user", "content": "What is the capital of France? One word."}]]
+    outputs = check_against_reference(smollm2_dir, convs, 12)
+    assert any(not capped and text.strip() for text, _, capped in outputs)
+    assert all(END not in text for text, _, _ in outputs)
+
+
+def scripted(replies):
+    """A fake backend: answers from a script keyed by the last user message."""
+    calls = []
+
+    def generate(conversations, seeds):
+        calls.append([c[-1]["content"] for c in conversations])
+        return [replies[c[-1]["content"]] for c in conversations]
+    return generate, calls
+
+
+def test_regenerate_batch_turn_rules(tok):
+    chats = [
+        {"id": "two", "messages": [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "x"},
+                                   {"role": "user", "content": "u2"}, {"role": "assistant", "content": "y"},
+                                   {"role": "user", "content": "u3"}, {"role": "assistant", "content": "z"}]},
+        {"id": "capped", "messages": [{"role": "user", "content": "c1"}, {"role": "assistant", "content": "x"},
+                                      {"role": "user", "content": "c2"}, {"role": "assistant", "content": "y"}]},
+        {"id": "empty1", "messages": [{"role": "user", "content": "e1"}, {"role": "assistant", "content": "x"}]},
+        {"id": "empty2", "messages": [{"role": "user", "content": "f1"}, {"role": "assistant", "content": "x"},
+                                      {"role": "user", "content": "f2"}, {"role": "assistant", "content": "y"}]},
+        {"id": "long", "messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "x"}]},
+    ]
+    generate, calls = scripted({"u1": ("A1", 2, False), "u2": ("A2", 2, False), "c1": ("cut off", 9, True),
+                                "e1": ("  \n", 1, False), "f1": ("F1", 1, False), "f2": ("", 0, False)})
+    results = {r["id"]: r for r in D_regen.regenerate_batch(chats, generate, tok, max_turns=2, max_length=64)}
+    assert calls == [["u1", "c1", "e1", "f1"], ["u2", "f2"]]   # one backend call per turn
+    assert results["two"]["messages"] == [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "A1"},
+                                          {"role": "user", "content": "u2"}, {"role": "assistant", "content": "A2"}]
+    assert results["two"]["turns"] == 2 and results["two"]["new_tokens"] == 4 and not results["two"]["capped"]
+    assert results["capped"]["messages"][-1] == {"role": "assistant", "content": "cut off", "capped": True}
+    assert len(results["capped"]["messages"]) == 2 and results["capped"]["capped"]
+    assert results["empty1"]["status"] == "empty" and results["empty1"]["messages"] == []
+    assert results["empty2"]["status"] == "ok" and results["empty2"]["empty_outputs"] == 1
+    assert results["empty2"]["messages"] == [{"role": "user", "content": "f1"}, {"role": "assistant", "content": "F1"}]
+    assert results["long"]["status"] == "too_long" and results["long"]["new_tokens"] == 0
+
+
+def test_regenerate_hf_resumes(tiny_target_dir, tmp_path):
+    # Sampling: the random tiny model's greedy answer is whitespace (it repeats "\n").
+    P = tiny_params(tiny_target_dir, tmp_path, regen_max_turns=2, regen_temperature=1.0)
+    run_dir = tmp_path / "run"
+    kept, stats = regenerate_chats(P, run_dir, REGEN_CHATS[:2], progress=False)
+    assert stats["regenerated"] == 2 and stats["from_cache"] == 0
+    assert stats["kept"] + stats["dropped_empty"] + stats["dropped_too_long"] == 2
+    assert stats["kept"] >= 1
+    assert stats["new_tokens_total"] == stats["new_tokens_this_run"] > 0
+    by_id = {c["id"]: c["messages"] for c in kept}
+    for conv_id, msgs in by_id.items():
+        source = {c["id"]: c for c in REGEN_CHATS}[conv_id]["messages"]
+        kept_prompts = [m for m in msgs if m["role"] != "assistant"]
+        source_prompts = [m for m in source if m["role"] != "assistant"]
+        assert kept_prompts == source_prompts[:len(kept_prompts)]   # user/system turns unchanged
+        roles = [m["role"] for m in msgs if m["role"] != "system"]
+        assert roles == ["user", "assistant"] * (len(roles) // 2) and len(roles) % 2 == 0
+        assert msgs[-1]["role"] == "assistant" and sum(m["role"] == "assistant" for m in msgs) <= 2
+        assert all(not m.get("capped") or i == len(msgs) - 1 for i, m in enumerate(msgs))
+
+    # Resume: the finished chats come from the chunk files, only "c" is generated.
+    out_dir = regen_dir(P, run_dir)
+    chunk_files = {p: p.read_bytes() for p in out_dir.glob("chunk-*.jsonl")}
+    kept2, stats2 = regenerate_chats(P, run_dir, REGEN_CHATS, progress=False)
+    assert stats2["from_cache"] == 2 and stats2["regenerated"] == 1 and stats2["conversations"] == 3
+    assert {c["id"]: c["messages"] for c in kept2 if c["id"] != "c"} == by_id
+    assert all(p.read_bytes() == b for p, b in chunk_files.items())
+
+
+def test_regenerate_keeps_results_from_an_interrupted_run(tiny_target_dir, tmp_path):
+    """A killed run leaves finished chunk files: a rerun must keep them, not redo them."""
+    P = tiny_params(tiny_target_dir, tmp_path, regen_temperature=1.0)
+    run_dir = tmp_path / "run"
+    out_dir = regen_dir(P, run_dir)
+    out_dir.mkdir(parents=True)
+    cached = {"id": "b", "messages": [{"role": "user", "content": "2+2?"},
+                                      {"role": "assistant", "content": "CACHED ANSWER"}],
+              "status": "ok", "turns": 1, "new_tokens": 3, "capped": False, "empty_outputs": 0}
+    write_chunk(out_dir, [cached])
+    (out_dir / ".chunk-half.jsonl.tmp").write_text('{"id": "c", "mess')  # a write that was killed
+    kept, stats = regenerate_chats(P, run_dir, REGEN_CHATS, progress=False)
+    assert stats["from_cache"] == 1 and stats["regenerated"] == 2
+    assert {c["id"]: c for c in kept}["b"]["messages"][1]["content"] == "CACHED ANSWER"
+    assert set(load_results(out_dir)) == {"a", "b", "c"}
+    # Other settings -> another folder, nothing reused.
+    P2 = tiny_params(tiny_target_dir, tmp_path, regen_max_new_tokens=3)
+    assert regen_dir(P2, run_dir) != out_dir
+
+
+# ---- the whole stage ----------------------------------------------------------------------
+def test_prepare_data_local_jsonl(tiny_target_dir, tmp_path):
+    recs = [openai(("user", f"Tell me fact number {i}."), ("assistant", f"Fact {i}: water is wet."),
+                   id=f"f{i}") for i in range(14)]
+    recs += [openai(("user", "q")), "{broken"]
+    src = write_jsonl(tmp_path / "facts.jsonl", recs)
+    P = tiny_params(tiny_target_dir, tmp_path, source=str(src), max_records=None, num_eval=3,
+                    num_train=6, regenerate=False)
+    run_dir = P.run_dir("t")
+    before = D.load_eval_prompts(P, run_dir)        # no prepare_data yet: computed from the split
+    stats = D.prepare_data(P, run_dir, progress=False)
+    assert not stats["cached"]
+    assert stats["records_read"] == 16 and stats["malformed"] == {"invalid_json": 1, "no_assistant_turn": 1}
+    assert stats["train"]["conversations"] == 6 and stats["eval"]["conversations"] == 3
+    train, ev = D.load_processed(run_dir, "train"), D.load_processed(run_dir, "eval")
+    assert set(train.column_names) == {"conv_id", "input_ids", "loss_mask"}
+    assert len(train) == 6 and len(ev) == 3
+    assert not set(train["conv_id"]) & set(ev["conv_id"])
+    assert sum(map(sum, train["loss_mask"])) == stats["train"]["assistant_tokens"]
+    prompts = D.load_eval_prompts(P, run_dir)
+    assert prompts == before and [p["id"] for p in prompts] == ev["conv_id"]
+    assert prompts[0]["messages"][-1]["role"] == "user" and prompts[0]["category"] is None
+    from eagle3lib.vocab import load_vocab
+    d2t, t2d = load_vocab(run_dir / "data" / "vocab.safetensors")
+    assert d2t.numel() == 64 and t2d.numel() == 49152
+    assert stats["coverage_train"] == 1.0   # fewer than 64 distinct assistant tokens
+    # Cached: same params -> no rebuild; other params -> rebuild.
+    again = D.prepare_data(P, run_dir, progress=False)
+    assert again["cached"] and again["cache_key"] == stats["cache_key"]
+    P2 = tiny_params(tiny_target_dir, tmp_path, source=str(src), max_records=None, num_eval=3,
+                     num_train=4, regenerate=False)
+    assert D.load_eval_prompts(P2, run_dir) == before  # stale files are not trusted, same split
+    rebuilt = D.prepare_data(P2, run_dir, progress=False)
+    assert not rebuilt["cached"] and len(D.load_processed(run_dir, "train")) == 4
+    assert not list((run_dir / "data").glob(".build-*"))
+
+
+def test_prepare_data_with_regeneration(tiny_target_dir, tmp_path):
+    P = tiny_params(tiny_target_dir, tmp_path, max_records=60, num_eval=2, num_train=3,
+                    regen_temperature=1.0)
+    run_dir = P.run_dir("r")
+    stats = D.prepare_data(P, run_dir, progress=False)
+    regen = stats["regen"]
+    assert regen["conversations"] == 5 and regen["regenerated"] == 5
+    assert regen["kept"] == 5 - regen["dropped_empty"] - regen["dropped_too_long"]
+    train = D.load_processed(run_dir, "train")
+    results = load_results(regen_dir(P, run_dir))
+    from eagle3lib.target import load_tokenizer
+    tok = load_tokenizer(tiny_target_dir)
+    assert len(train) == 3
+    for conv_id, ids, mask in zip(train["conv_id"], train["input_ids"], train["loss_mask"]):
+        answer = results[conv_id]["messages"][-1]
+        assert answer["role"] == "assistant"
+        expected = answer["content"] + ("" if answer.get("capped") else END)
+        run = masked_runs(tok, ids, mask)[-1]
+        if len(ids) < P.data.max_length:  # not truncated: the whole regenerated answer is trained
+            assert run == expected
+        else:
+            assert expected.startswith(run)
+
+
+def test_eval_prompts_file(tmp_path, ci_params):
+    import dataclasses
+    path = write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "What is 2+2?", "category": "math"},
+        {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}], "id": "m"},
+        {"messages": [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a"},
+                      {"role": "user", "content": "u2"}]}])
+    P = dataclasses.replace(ci_params, eval=dataclasses.replace(ci_params.eval, prompts_path=str(path)))
+    prompts = D.load_eval_prompts(P, tmp_path)
+    assert prompts[0] == {"id": "prompt-1", "messages": [{"role": "user", "content": "What is 2+2?"}],
+                          "category": "math"}
+    assert prompts[1]["id"] == "m" and [m["role"] for m in prompts[1]["messages"]] == ["system", "user"]
+    assert prompts[2]["messages"] == [{"role": "user", "content": "u1"}]
+    assert len(D.load_eval_prompts(P, tmp_path, limit=2)) == 2
+    write_jsonl(path, [{"category": "x"}])
+    with pytest.raises(ValueError, match="p.jsonl:1"):
+        D.load_eval_prompts(P, tmp_path)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_regenerate_vllm_subprocess(smollm2_dir, tmp_path):
+    """The vLLM backend (a `python -m eagle3lib.regenerate` subprocess) on the real target."""
+    overrides = {"target": {"path": str(smollm2_dir), "dtype": "bfloat16"}, "output_dir": str(tmp_path),
+                 "data": {"regenerate": True, "regen_backend": "vllm", "regen_max_new_tokens": 12,
+                          "regen_batch_size": 2, "max_length": 128, "regen_max_turns": 2}}
+    P = load_params("params/ci.yaml", overrides)
+    chats = [{"id": "yes", "messages": [{"role": "user", "content": "Reply with only the word: yes"},
+                                        {"role": "assistant", "content": "yes"},
+                                        {"role": "user", "content": "And now only the word: no"},
+                                        {"role": "assistant", "content": "no"}]},
+             {"id": "essay", "messages": [{"role": "user", "content": "Write a long essay about rivers."},
+                                          {"role": "assistant", "content": "Rivers..."}]},
+             {"id": "paris", "messages": [{"role": "user", "content": "What is the capital of France? One word."},
+                                          {"role": "assistant", "content": "Paris"}]}]
+    run_dir = tmp_path / "run"
+    kept, stats = regenerate_chats(P, run_dir, chats, progress=False)
+    assert stats["backend"] == "vllm" and stats["regenerated"] == 3 and stats["kept"] == 3
+    results = load_results(regen_dir(P, run_dir))
+    essay = results["essay"]
+    assert essay["capped"] and essay["new_tokens"] == 12 and essay["messages"][-1]["capped"]
+    assert essay["messages"][-1]["content"] != "Rivers..."
+    for r in results.values():
+        assert all(END not in m["content"] for m in r["messages"])
+        if not r["capped"]:
+            assert r["messages"][-1]["role"] == "assistant" and r["new_tokens"] < 12 * r["turns"]
+    assert any(not r["capped"] for r in results.values())   # short answers stop at <|im_end|>
+    kept2, stats2 = regenerate_chats(P, run_dir, chats, progress=False)  # all cached: no subprocess
+    assert stats2["from_cache"] == 3 and stats2["regenerated"] == 0 and kept2 == kept
