@@ -593,7 +593,7 @@ def load_processed(run_dir, split: str):
 def _read_prompts_file(path: Path) -> list[dict]:
     """eval.prompts_path: JSONL with {"prompt": str, "category"?: str, "id"?} or {"messages": [...]}."""
     records = []
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for line_no, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
         if not line.strip():
             continue
         where = f"{path}:{line_no}"
@@ -642,7 +642,7 @@ def load_eval_prompts(P, run_dir=None, limit: Optional[int] = None) -> list[dict
     else:
         stored = data_dir(run_dir) / "eval_prompts.jsonl" if run_dir is not None else None
         if stored is not None and stored.is_file() and _cached_stats(P, run_dir) is not None:
-            records = [json.loads(l) for l in stored.read_text(encoding="utf-8").splitlines() if l.strip()]
+            records = [json.loads(l) for l in stored.read_text(encoding="utf-8").split("\n") if l.strip()]
         else:
             records = eval_prompt_records(held_out_chats(P)[0])
     return records[:limit] if limit is not None else records

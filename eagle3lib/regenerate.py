@@ -66,7 +66,7 @@ def load_results(out_dir: Path) -> dict:
     """{conv id: result} from every finished chunk file."""
     results = {}
     for path in sorted(Path(out_dir).glob("chunk-*.jsonl")):
-        for line in path.read_text(encoding="utf-8").splitlines():
+        for line in path.read_text(encoding="utf-8").split("\n"):
             if line.strip():
                 r = json.loads(line)
                 results[r["id"]] = r
@@ -337,7 +337,7 @@ def main(argv: Optional[list] = None) -> int:
     args = ap.parse_args(argv)
 
     from .target import load_tokenizer
-    chats = [json.loads(l) for l in Path(args.requests).read_text(encoding="utf-8").splitlines() if l.strip()]
+    chats = [json.loads(l) for l in Path(args.requests).read_text(encoding="utf-8").split("\n") if l.strip()]
     done = load_results(Path(args.out_dir))
     chats = [c for c in chats if c["id"] not in done]
     print(f"[regen] vLLM: {len(chats)} chats to regenerate", flush=True)

@@ -522,3 +522,13 @@ def test_regenerate_vllm_subprocess(smollm2_dir, tmp_path):
     assert any(not r["capped"] for r in results.values())   # short answers stop at <|im_end|>
     kept2, stats2 = regenerate_chats(P, run_dir, chats, progress=False)  # all cached: no subprocess
     assert stats2["from_cache"] == 3 and stats2["regenerated"] == 0 and kept2 == kept
+
+
+def test_jsonl_chunks_survive_unicode_line_separators(tmp_path):
+    """Python's str.splitlines() also splits on U+2028/U+2029/U+0085, which json.dumps(ensure_ascii=False)
+    leaves raw inside strings: a ShareGPT answer holding one broke the vLLM regeneration requests."""
+    from eagle3lib.regenerate import load_results, write_chunk
+    tricky = "line one\u2028line two\u2029para\x85next\x1cfs"
+    write_chunk(tmp_path, [{"id": "a", "text": tricky}, {"id": "b", "text": "plain"}])
+    results = load_results(tmp_path)
+    assert results["a"]["text"] == tricky and results["b"]["text"] == "plain"
