@@ -73,7 +73,10 @@ class Eagle3Config:
     def from_target_config(cls, hf_config, draft_vocab_size: int, aux_layer_ids, **choices) -> "Eagle3Config":
         """Drafter config from the target's HF config (a multimodal wrapper's text_config is used).
         `choices` overrides any field (norm_before_residual, norm_before_fc, next_step_hidden, ...)."""
-        c = getattr(hf_config, "text_config", None) or hf_config
+        if isinstance(hf_config, dict):   # a parsed config.json
+            c = hf_config.get("text_config") or hf_config
+        else:
+            c = getattr(hf_config, "text_config", None) or hf_config
         get = (lambda k, d=None: c.get(k, d)) if isinstance(c, dict) else (lambda k, d=None: getattr(c, k, d))
         heads = get("num_attention_heads")
         rope = dict(get("rope_parameters") or {})          # transformers 5.x
@@ -272,6 +275,8 @@ def ttt_attention(q, k0, v0, kd, vd, impl: str = "manual", mask_cache: Optional[
             causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
             mask = torch.cat([causal] + [eye] * j, dim=1)
             if mask_cache is not None:
+                if len(mask_cache) > 64:      # many distinct lengths: keep the cache bounded
+                    mask_cache.clear()
                 mask_cache[key] = mask
         k = torch.cat([k0, *kd], dim=2)
         v = torch.cat([v0, *vd], dim=2)
@@ -340,7 +345,8 @@ class Eagle3Drafter(nn.Module):
         """aux [B, T, 3H] (or [B, T, 3, H]) -> g [B, T, H]."""
         if aux.dim() == 4:
             aux = aux.flatten(-2)
-        aux = aux.to(self.fc.weight.dtype)
+        if not torch.is_autocast_enabled(aux.device.type):   # under autocast fc casts the bf16 cache itself
+            aux = aux.to(self.fc.weight.dtype)
         if self.config.norm_before_fc:
             aux = self.input_norm(aux)
         return self.fc(aux)
@@ -389,10 +395,11 @@ class Eagle3Drafter(nn.Module):
         B, T = input_ids.shape
         base_pos = torch.arange(T, device=input_ids.device).expand(B, T)
         hidden = self.fuse(aux)                                          # g [B, T, H]
+        padded_ids = F.pad(input_ids, (0, ttt_steps))                    # [B, T + J], 0 past the end
         k0 = v0 = None
         kd, vd, outs = [], [], []
         for j in range(ttt_steps):
-            ids = F.pad(input_ids[:, j + 1:], (0, min(j + 1, T)))       # x_{t+1+j}, 0 past the end
+            ids = padded_ids[:, j + 1: j + 1 + T]                        # x_{t+1+j}  [B, T]
             q, k, v, residual = self._step_layer_input(hidden, ids, base_pos + j)
             k, v = attn.expand_kv(k), attn.expand_kv(v)                  # [B, h, T, d]
             if j == 0:
