@@ -89,6 +89,15 @@ class TrainParams:
     # Design choices the public trainers differ on (see NOTES.md).
     norm_before_residual: bool = True
     norm_before_fc: bool = False
+    # Train fc on aux / s (s: robust per-dimension scale of the cached aux states) and fold 1/s
+    # into fc.weight when the final drafter is written: the exported drafter computes fc(aux),
+    # the layout is unchanged. Targets with massive activations (SmolLM2: |x| up to 25k in a few
+    # dims of the mid/high layers, ~3 elsewhere) otherwise train fc badly (NOTES.md).
+    fc_input_scaling: bool = True
+    # Start the decoder layer (hidden half of q/k/v, o, mlp, norms) and the final norm from this
+    # target layer (-1: the last one) and fc as a pass-through of the highest aux state; None:
+    # random init. See train.init_from_target_layer.
+    init_from_layer: Optional[int] = None
     next_step_hidden: str = "pre_norm"   # pre_norm | post_norm: what step j+1 gets as g
     init_lm_head: bool = True            # initialise lm_head rows from the target's head
     freeze_lm_head: bool = False
@@ -306,6 +315,8 @@ def validate(p: Params) -> Params:
     need(t.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
     need(t.nproc >= 1, "train.nproc", "must be >= 1")
     need(t.eval_sequences >= 1, "train.eval_sequences", "must be >= 1")
+    need(not (t.fc_input_scaling and t.norm_before_fc), "train.fc_input_scaling",
+         "cannot be folded into fc behind an RMSNorm: set it false when train.norm_before_fc is true")
     need(not (t.freeze_lm_head and not t.init_lm_head), "train.freeze_lm_head",
          "a frozen lm_head must be initialised from the target (train.init_lm_head: true)")
     need(e.num_prompts >= 1, "eval.num_prompts", "must be >= 1")
@@ -339,6 +350,8 @@ def validate(p: Params) -> Params:
                  f"{x.aux_layers} out of range: the target has {n} layers (valid ids 0..{n - 1})")
         else:
             need(n >= 4, "extract.aux_layers", f"default (2, N//2, N-3) needs N >= 4 layers, got {n}")
+        need(t.init_from_layer is None or -n <= t.init_from_layer < n, "train.init_from_layer",
+             f"{t.init_from_layer} out of range: the target has {n} layers (valid -{n}..{n - 1})")
     return p
 
 

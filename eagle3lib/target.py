@@ -159,3 +159,39 @@ def load_target_tensors(path: Path, names: tuple = ("embed", "lm_head")) -> dict
         with safe_open(str(path / weight_map[keys[name]]), framework="pt") as f:
             out[name] = f.get_tensor(keys[name])
     return out
+
+
+def load_target_layer(path: Path, layer: int) -> dict:
+    """One decoder layer of a local Llama-style safetensors checkpoint plus its final norm:
+    {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "input_layernorm", "post_attention_layernorm", "final_norm"} -> weight tensors.
+    Raises KeyError naming what is missing (e.g. a MoE layer has no dense mlp.*_proj)."""
+    from safetensors import safe_open
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    else:
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    prefix = f"layers.{int(layer)}."
+    wanted = {"q_proj": "self_attn.q_proj.weight", "k_proj": "self_attn.k_proj.weight",
+              "v_proj": "self_attn.v_proj.weight", "o_proj": "self_attn.o_proj.weight",
+              "gate_proj": "mlp.gate_proj.weight", "up_proj": "mlp.up_proj.weight",
+              "down_proj": "mlp.down_proj.weight", "input_layernorm": "input_layernorm.weight",
+              "post_attention_layernorm": "post_attention_layernorm.weight"}
+    keys = {}
+    for name, suffix in wanted.items():
+        hits = [k for k in weight_map if k.endswith(prefix + suffix) and "mtp" not in k]
+        if not hits:
+            raise KeyError(f"{path}: no {prefix + suffix} (init_from_layer needs a dense Llama-style layer)")
+        keys[name] = hits[0]
+    norms = [k for k in weight_map if k.endswith("norm.weight") and "layers." not in k and "mtp" not in k]
+    if not norms:
+        raise KeyError(f"{path}: no final norm weight")
+    keys["final_norm"] = norms[0]
+    out = {}
+    for name, key in keys.items():
+        with safe_open(str(path / weight_map[key]), framework="pt") as f:
+            out[name] = f.get_tensor(key)
+    return out

@@ -90,18 +90,24 @@ class TargetHead:
         return self
 
     @torch.no_grad()
-    def labels(self, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def labels(self, final: torch.Tensor, exact_top1: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """final [N, H] (after the target's final norm) -> (p [N, Dv] fp32 = softmax over the
         draft rows, i.e. the full distribution restricted to the draft vocabulary and renormalised;
         top [N] = argmax target id over the FULL vocabulary).
 
         The top-1 scans the full head in bf16 (fast), then re-scores the best TOPK_RECHECK
-        candidates of every row exactly in fp32, so bf16 rounding of near-ties cannot flip it."""
+        candidates of every row exactly in fp32, so bf16 rounding of near-ties cannot flip it.
+        exact_top1=False skips that scan (the most expensive part of a training step) and returns
+        the argmax within the draft vocabulary instead: it differs only where the target's top-1
+        lies outside the draft vocabulary (0.4% of train tokens on the local profile). Training
+        steps use it for their logged accuracy; held-out evaluation always uses the exact top-1."""
         final = final.to(self.full.device)
         exact_inputs = self.head_is_bf16 and final.dtype == torch.bfloat16
         x = final.float()                                                     # [N, H]
         with _bf16_inputs_fp32_matmul(exact_inputs and x.device.type == "cpu"):
             p = torch.softmax(x @ self.draft.T, dim=-1)                       # [N, Dv]
+        if not exact_top1:
+            return p, self.draft_ids[p.argmax(-1)]
         tops = []
         for c in range(0, len(x), self.chunk):
             xc = x[c:c + self.chunk]                                          # [C, H]
@@ -263,11 +269,45 @@ def collate(items: list, max_len: int) -> dict:
     return {"input_ids": ids, "loss_mask": mask, "aux": aux, "final": final, "lengths": torch.tensor(lengths)}
 
 
-def prepare_batch(batch: dict, head: TargetHead, ttt_steps: int, device) -> dict:
-    """Add the labels (target_p, target_top at the label positions) and the per-step counts."""
+def aux_scale(cache, max_tokens: int = 16384) -> torch.Tensor:
+    """Robust per-dimension scale s [3, H] (fp32) of the cached aux states: median |x| / 0.6745
+    (the std of a Gaussian) over the first `max_tokens` tokens of the cache, floored at 1e-3 of
+    the layer's median scale. Deterministic: a function of the cache only, so a resumed run
+    recomputes the same s. The median ignores the few attention-sink positions whose values are
+    thousands of times the rest."""
+    rows, n = [], 0
+    for i in range(len(cache)):
+        if n >= max_tokens:
+            break
+        a = cache.get(i)["aux"][: max_tokens - n].float()                   # [n_i, 3, H]
+        rows.append(a)
+        n += len(a)
+    if not rows:
+        raise ValueError("aux_scale: the hidden-state cache is empty")
+    a = torch.cat(rows)                                                       # [N, 3, H]
+    s = a.abs().median(dim=0).values / 0.6745                                 # [3, H]
+    floor = 1e-3 * s.median(dim=-1, keepdim=True).values.clamp(min=1e-6)      # [3, 1]
+    return torch.maximum(s, floor).contiguous()
+
+
+def fold_aux_scale(state: dict, scale: Optional[torch.Tensor]) -> dict:
+    """Drafter state trained on aux / s -> the same function on raw aux: fc.weight[:, d] / s[d]."""
+    if scale is None:
+        return state
+    w = state["fc.weight"]                                                    # [H, 3H]
+    folded = (w.float() / scale.reshape(1, -1).to(w.device)).to(w.dtype)
+    return {**state, "fc.weight": folded}
+
+
+def prepare_batch(batch: dict, head: TargetHead, ttt_steps: int, device,
+                  aux_scale: Optional[torch.Tensor] = None, exact_top1: bool = True) -> dict:
+    """Add the labels (target_p, target_top at the label positions) and the per-step counts.
+    aux_scale [3, H]: the batch's aux is divided by it (fp32), see TrainParams.fc_input_scaling.
+    exact_top1: see TargetHead.labels."""
     b, u = target_positions(batch["loss_mask"])
-    p, top = head.labels(batch["final"][b, u])
-    out = {"input_ids": batch["input_ids"].to(device), "aux": batch["aux"].to(device),
+    p, top = head.labels(batch["final"][b, u], exact_top1=exact_top1)
+    aux = batch["aux"] if aux_scale is None else batch["aux"].float() / aux_scale
+    out = {"input_ids": batch["input_ids"].to(device), "aux": aux.to(device),
            "tgt_b": b.to(device), "tgt_u": u.to(device), "target_p": p, "target_top": top}
     out["counts"] = step_counts(u, ttt_steps)                                 # [J] (cpu)
     out["tokens"] = float(batch["lengths"].sum())
@@ -516,7 +556,43 @@ def optimizer_step(model: nn.Module, optimizers: list, prepared: list, t, dist: 
     return loss_value, stats, grad_norm, float(counts[1, 0])
 
 
-def build_drafter(P: Params, target_dir: Path, hidden_size: int, aux_layers: list, d2t, t2d) -> Eagle3Drafter:
+def init_from_target_layer(drafter: Eagle3Drafter, target_dir: Path, layer: int,
+                           scale: Optional[torch.Tensor] = None) -> None:
+    """Start the drafter from a pretrained target layer instead of noise (TrainParams.init_from_layer):
+
+    - q/k/v: the HIDDEN half of the 2H input ([embedding; hidden]) gets the target layer's
+      q/k/v; the embedding half keeps its random init;
+    - o_proj, mlp, hidden_norm (= the layer's input_layernorm), post_attention_layernorm and the
+      final norm are the target's;
+    - fc passes the highest aux state through: g = a_high (with fc_input_scaling, fc sees
+      a / s, so the diagonal is s_high).
+    At step 0 the drafter then starts as "target layer `layer` applied to a_high" and only has
+    to learn the shift by one token and the use of the embedding."""
+    from .target import load_target_layer
+    w = load_target_layer(target_dir, layer)
+    H = drafter.config.hidden_size
+    m = drafter.midlayer
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            proj = getattr(m.self_attn, name).weight                         # [out, 2H]
+            if proj[:, H:].shape != w[name].shape:
+                raise ValueError(f"init_from_layer: target {name} {tuple(w[name].shape)} does not fit the "
+                                 f"drafter's {tuple(proj[:, H:].shape)}")
+            proj[:, H:] = w[name].float()
+        m.self_attn.o_proj.weight.copy_(w["o_proj"].float())
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(m.mlp, name).weight.copy_(w[name].float())
+        m.hidden_norm.weight.copy_(w["input_layernorm"].float())
+        m.post_attention_layernorm.weight.copy_(w["post_attention_layernorm"].float())
+        drafter.norm.weight.copy_(w["final_norm"].float())
+        if not drafter.config.norm_before_fc:
+            diag = torch.ones(H) if scale is None else scale[-1].float()         # [H]
+            drafter.fc.weight.zero_()
+            drafter.fc.weight[:, 2 * H:] = torch.diag(diag)
+
+
+def build_drafter(P: Params, target_dir: Path, hidden_size: int, aux_layers: list, d2t, t2d,
+                  scale: Optional[torch.Tensor] = None) -> Eagle3Drafter:
     t = P.train
     hf = read_json(Path(target_dir) / "config.json")   # plain JSON: no transformers import needed
     config = Eagle3Config.from_target_config(
@@ -526,6 +602,10 @@ def build_drafter(P: Params, target_dir: Path, hidden_size: int, aux_layers: lis
         raise ValueError(f"hidden cache has H={hidden_size}, the target {target_dir} has H={config.hidden_size}")
     torch.manual_seed(P.seed)
     drafter = Eagle3Drafter.from_target(target_dir, config, d2t, t2d, init_lm_head=t.init_lm_head)
+    if t.init_from_layer is not None:
+        hf_layers = (hf.get("text_config") or hf)["num_hidden_layers"]
+        layer = t.init_from_layer % hf_layers
+        init_from_target_layer(drafter, target_dir, layer, scale)
     if t.freeze_lm_head:
         drafter.lm_head.weight.requires_grad_(False)
     return drafter
@@ -554,7 +634,8 @@ def train(P: Params, run_dir, progress: bool = True, callback: Optional[Callable
         eval_cache = HiddenCache(eval_path) if (eval_path / "manifest.json").is_file() else None
         d2t, t2d = load_vocab(run_dir / "data" / "vocab.safetensors")
         tdir = target_path(P)
-        drafter = build_drafter(P, tdir, cache.hidden_size, cache.aux_layers, d2t, t2d).to(device)
+        scale = aux_scale(cache) if t.fc_input_scaling else None                # [3, H] or None
+        drafter = build_drafter(P, tdir, cache.hidden_size, cache.aux_layers, d2t, t2d, scale).to(device)
         head = TargetHead(load_target_tensors(tdir, ("lm_head",))["lm_head"], d2t).to(device)
         objective = TTTObjective(drafter, t.ttt_steps, t.decay, compile=t.compile)
         model = wrap_model(objective, t.distributed, dist)
@@ -605,7 +686,8 @@ def train(P: Params, run_dir, progress: bool = True, callback: Optional[Callable
             idx = [i for i in range(min(t.eval_sequences, len(eval_cache))) if eval_cache.lengths[i] >= 3]
             for chunk in bucket_batches([eval_cache.lengths[i] for i in idx], t.batch_tokens, 0, 0):
                 items = [eval_cache.get(idx[k]) for k in sorted(chunk)]
-                eval_batches.append(prepare_batch(collate(items, t.batch_tokens), head, t.ttt_steps, device))
+                eval_batches.append(prepare_batch(collate(items, t.batch_tokens), head, t.ttt_steps, device,
+                                                  scale))
 
         tracker = None
         if t.tracking == "tensorboard" and dist.rank == 0:
@@ -633,7 +715,7 @@ def train(P: Params, run_dir, progress: bool = True, callback: Optional[Callable
             global_mbs = epoch_batches[epoch][pos * per_step:(pos + 1) * per_step]
             mine = global_mbs[dist.rank::dist.world]                   # disjoint slice per rank
             prepared = [prepare_batch(collate([cache.get(usable[k]) for k in mb], t.batch_tokens), head,
-                                      t.ttt_steps, device) for mb in mine]
+                                      t.ttt_steps, device, scale, exact_top1=False) for mb in mine]
             lr = set_lr(step)
             loss_value, stats, grad_norm, tokens = optimizer_step(model, optimizers, prepared, t, dist, amp)
             if not math.isfinite(loss_value):
@@ -686,7 +768,8 @@ def train(P: Params, run_dir, progress: bool = True, callback: Optional[Callable
                    "tokens_per_s_this_run": tokens_seen / max(1e-9, time.time() - t0),
                    "checkpoint": str(latest_checkpoint(ckpt_root)), "final_dir": str(out_root / "final")}
         if dist.rank == 0:
-            save_final(out_root / "final", drafter_state, drafter.config, summary)
+            # final/ computes fc(aux) on raw aux (the full state exists on rank 0 only)
+            save_final(out_root / "final", fold_aux_scale(drafter_state, scale), drafter.config, summary)
             atomic_write_json(out_root / "summary.json", summary)
             atomic_write_json(out_root / "history.json", history)
         dist.barrier()

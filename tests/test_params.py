@@ -28,6 +28,7 @@ def test_inheritance_only_overrides_stated_keys():
     assert local.train.decay == ci.train.decay          # inherited default
     assert b300.aux_layer_ids() == [2, 30, 58]          # (2, N//2, N-3) with N = 61
     assert b300.train.nproc == 8 and b300.train.distributed == "fsdp"
+    assert b300.train.max_steps is None and b300.train.optimizer == "adamw"   # nothing from the 2-core run
 
 
 @pytest.mark.parametrize("text, key", [
@@ -44,6 +45,8 @@ def test_inheritance_only_overrides_stated_keys():
     ("train: {optimizer: sgd}", "train.optimizer"),
     ("train: {ttt_steps: 0}", "train.ttt_steps"),
     ("train: {freeze_lm_head: true, init_lm_head: false}", "train.freeze_lm_head"),
+    ("train: {norm_before_fc: true}", "train.fc_input_scaling"),
+    ("train: {init_from_layer: 30}", "train.init_from_layer"),
     ("target: {path: /nonexistent/model}", "target.path"),
     ("data: 5", "data"),
 ])

@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 from eagle3lib.extract import file_sha256
 from eagle3lib.model import Eagle3Config
 from eagle3lib.params import load_params
-from eagle3lib.train import acceptance_estimate, bucket_batches, lr_factor, torchrun_command, train
+from eagle3lib.train import (acceptance_estimate, aux_scale, bucket_batches, fold_aux_scale, init_from_target_layer,
+                             lr_factor, torchrun_command, train)
 from eagle3lib.vocab import build_draft_vocab, count_assistant_tokens, save_vocab
 
 TOKENS = 300          # the synthetic chats use token ids below this
@@ -158,6 +159,101 @@ def test_acceptance_estimate():
     assert abs(acceptance_estimate([0.5, 0.5]) - 1.75) < 1e-12
 
 
+def test_target_labels_are_the_renormalised_draft_distribution_and_the_full_top1():
+    from eagle3lib.train import TargetHead
+    g = torch.Generator().manual_seed(0)
+    V, H, Dv = 300, 16, 40
+    head_w = torch.randn(V, H, generator=g)
+    d2t = torch.arange(0, 2 * Dv, 2) - torch.arange(Dv)                       # draft i -> target 2i
+    final = torch.randn(50, H, generator=g) * 3
+    head = TargetHead(head_w, d2t)
+    p, top = head.labels(final)
+    full = torch.softmax(final @ head_w.T, dim=-1)                              # [N, V]
+    want = full[:, 0:2 * Dv:2] / full[:, 0:2 * Dv:2].sum(-1, keepdim=True)
+    torch.testing.assert_close(p, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(top, full.argmax(-1))                                    # over the FULL vocabulary
+    p2, top_in_draft = head.labels(final, exact_top1=False)
+    assert torch.equal(p2, p)
+    assert torch.equal(top_in_draft, 2 * p.argmax(-1))                         # argmax within the draft vocab
+    inside = top % 2 == 0
+    inside &= top < 2 * Dv
+    assert inside.any() and torch.equal(top_in_draft[inside], top[inside])
+
+
+class _ListCache:
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def get(self, i):
+        return self.items[i]
+
+
+def test_aux_scale_ignores_attention_sink_outliers_and_folding_keeps_the_function():
+    g = torch.Generator().manual_seed(0)
+    H = 16
+    std = torch.rand(3, H, generator=g) * 5 + 0.1                               # per-dimension scales
+    items = []
+    for n in (40, 70, 30):
+        a = torch.randn(n, 3, H, generator=g) * std
+        a[0, 1:, :2] = 2.5e4                                                    # a sink: huge values at t=0
+        items.append({"aux": a.to(torch.bfloat16)})
+    s = aux_scale(_ListCache(items))
+    assert s.shape == (3, H)
+    ratio = s / std
+    assert (ratio > 0.7).all() and (ratio < 1.4).all(), ratio                 # the outliers did not leak in
+    # a drafter trained on aux / s, folded, computes the same fc output on raw aux
+    cfg = Eagle3Config(hidden_size=H, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
+                       max_position_embeddings=64, vocab_size=50, draft_vocab_size=20, target_hidden_size=H,
+                       aux_layer_ids=[0, 1, 2])
+    from eagle3lib.model import Eagle3Drafter
+    torch.manual_seed(0)
+    d = Eagle3Drafter(cfg)
+    aux = torch.randn(2, 5, 3, H) * std
+    want = d.fuse(aux / s)
+    folded = fold_aux_scale(d.state_dict(), s)
+    assert not torch.equal(folded["fc.weight"], d.state_dict()["fc.weight"])
+    d.load_state_dict(folded)
+    torch.testing.assert_close(d.fuse(aux), want, rtol=1e-5, atol=1e-5)
+    state = {"fc.weight": torch.ones(1)}
+    assert fold_aux_scale(state, None) is state
+
+
+def test_init_from_target_layer_reproduces_that_target_layer(tiny_target_dir):
+    """With the embedding half of q/k/v zeroed, step 0 of a drafter started from target layer L
+    (norm_before_residual false) IS layer L applied to the aux state fed to it: the drafter's
+    pre-norm output equals the target's hidden state after layer L (rope, GQA, norms, residuals
+    all as in the target)."""
+    from transformers import AutoModelForCausalLM
+    from eagle3lib.model import Eagle3Drafter
+    target = AutoModelForCausalLM.from_pretrained(str(tiny_target_dir), dtype=torch.float32).eval()
+    hf = json.loads((Path(tiny_target_dir) / "config.json").read_text())
+    aux_layers, L = [1, 3, 4], 4
+    V = hf["vocab_size"]
+    d2t, t2d = torch.zeros(64, dtype=torch.long), torch.zeros(V, dtype=torch.bool)
+    t2d[:64] = True
+    cfg = Eagle3Config.from_target_config(hf, 64, aux_layers, norm_before_residual=False)
+    ids = torch.randint(0, 300, (1, 23), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hs = target(ids, output_hidden_states=True).hidden_states
+        aux = torch.stack([hs[k][0] for k in aux_layers], dim=1)[None]             # [1, T, 3, H]
+        for scale in (None, aux_scale(_ListCache([{"aux": aux[0]}]))):
+            torch.manual_seed(0)
+            d = Eagle3Drafter.from_target(tiny_target_dir, cfg, d2t, t2d)
+            init_from_target_layer(d, tiny_target_dir, L, scale)
+            H = cfg.hidden_size
+            for name in ("q_proj", "k_proj", "v_proj"):
+                getattr(d.midlayer.self_attn, name).weight[:, :H] = 0
+            fed = aux if scale is None else aux / scale
+            _, pre_norm = d(d.fuse(fed), ids, torch.arange(ids.shape[1])[None])
+            torch.testing.assert_close(pre_norm[0], hs[L + 1][0], rtol=1e-4, atol=1e-4)
+        with pytest.raises(KeyError, match="layers.99"):
+            init_from_target_layer(d, tiny_target_dir, 99)
+
+
 # ---- training runs -----------------------------------------------------------------------------
 def test_tiny_run_learns_and_writes_a_vllm_named_final_drafter(tmp_path, sharp_target_dir):
     path = make_run(tmp_path, sharp_target_dir, {"max_steps": 16, "resume": False})
@@ -179,6 +275,12 @@ def test_tiny_run_learns_and_writes_a_vllm_named_final_drafter(tmp_path, sharp_t
     assert cfg.aux_layer_ids == [1, 3, 4] and cfg.norm_before_residual is True
     ckpts = sorted((P.run_dir() / "train" / "checkpoints").glob("step-*"))
     assert [c.name for c in ckpts] == ["step-000014", "step-000016"]         # the last two kept
+    # fc was trained on aux / s (fc_input_scaling): final/ holds it folded, fc'(a) = fc(a / s)
+    from eagle3lib.extract import HiddenCache
+    s = aux_scale(HiddenCache(P.run_dir() / "hidden" / "train"))
+    trained = load_file(str(ckpts[-1] / "checkpoint.safetensors"))["model.drafter.fc.weight"]
+    torch.testing.assert_close(weights["fc.weight"] * s.reshape(1, -1), trained, rtol=1e-5, atol=1e-6)
+    assert torch.equal(weights["midlayer.mlp.up_proj.weight"], load_file(str(ckpts[-1] / "checkpoint.safetensors"))["model.drafter.midlayer.mlp.up_proj.weight"])
 
 
 def test_non_finite_loss_names_the_step(tmp_path, sharp_target_dir):
@@ -208,7 +310,7 @@ def test_resume_after_sigkill_reaches_the_uninterrupted_weights(tmp_path, sharp_
     assert [r["step"] for r in hist] == list(range(1, 10))
     # and resuming did change something: the weights moved after step 4
     ck8 = load_file(str(run_b / "train" / "checkpoints" / "step-000008" / "checkpoint.safetensors"))
-    assert not torch.equal(ck8["model.drafter.fc.weight"], b["fc.weight"])
+    assert not torch.equal(ck8["model.drafter.midlayer.mlp.up_proj.weight"], b["midlayer.mlp.up_proj.weight"])
     # a checkpoint is not resumed under params that change the math
     changed = yaml.safe_load(killed.read_text())
     changed["train"]["lr"] = 1e-4
@@ -239,7 +341,8 @@ def test_two_process_training_matches_single_process_with_the_same_global_batch(
 def test_design_choices_are_wired_and_the_time_budget_stops_cleanly(tmp_path, sharp_target_dir):
     from eagle3lib.target import load_target_tensors
     from eagle3lib.vocab import load_vocab
-    choices = {"norm_before_residual": False, "norm_before_fc": True, "next_step_hidden": "post_norm",
+    choices = {"norm_before_residual": False, "norm_before_fc": True, "fc_input_scaling": False,
+               "next_step_hidden": "post_norm",
                "init_lm_head": True, "freeze_lm_head": True, "loss_average": "all", "optimizer": "muon",
                "decay": 0.5, "max_steps": 50, "time_budget_minutes": 1e-4, "resume": False}
     path = make_run(tmp_path, sharp_target_dir, choices)

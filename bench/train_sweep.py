@@ -1,0 +1,91 @@
+"""Training ablations on an existing run's hidden-state cache (the numbers in NOTES.md).
+
+Each variant trains a fresh drafter on the SAME cache (symlinked, never rewritten) for a fixed
+budget of input tokens and reports the held-out per-step accuracy and the acceptance estimate.
+Variants run one after another in this process: the trainer is the real `eagle3lib.train.train`.
+
+    python bench/train_sweep.py --params params/local.yaml --tokens 250000 \
+        --variant base: --variant b1k:batch_tokens=1024 --variant b1k-lr5e-3:batch_tokens=1024,lr=0.005
+
+A variant is `name:key=value,key=value` over train.* fields (values parsed as YAML scalars).
+max_steps is set from --tokens / batch_tokens unless the variant gives it. Results are appended
+to outputs/bench/train_sweep.jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eagle3lib.params import load_params  # noqa: E402
+
+
+def parse_variant(text: str) -> tuple:
+    name, _, body = text.partition(":")
+    changes = {}
+    for item in filter(None, body.split(",")):
+        key, _, value = item.partition("=")
+        changes[key.strip()] = yaml.safe_load(value)
+    return name, changes
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", default="params/local.yaml")
+    ap.add_argument("--run", default=None, help="run whose cache is used (default: the profile's run_name)")
+    ap.add_argument("--tokens", type=float, default=250_000, help="input tokens per variant")
+    ap.add_argument("--variant", action="append", required=True)
+    ap.add_argument("--workdir", default="/tmp/eagle3lab-sweep")
+    args = ap.parse_args(argv)
+
+    from eagle3lib.train import train
+
+    P = load_params(args.params)
+    src = P.run_dir(args.run)
+    for need in ("hidden/train/manifest.json", "hidden/eval/manifest.json", "data/vocab.safetensors"):
+        if not (src / need).is_file():
+            raise SystemExit(f"{src / need} is missing: run the pipeline up to extract first")
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    models = work / "models"
+    if not models.exists():
+        models.symlink_to(P.outputs_root() / "models")
+    out_path = P.outputs_root() / "bench" / "train_sweep.jsonl"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    for text in args.variant:
+        name, changes = parse_variant(text)
+        t = replace(P.train, resume=False, time_budget_minutes=None, checkpoint_every=10**9)
+        t = replace(t, **changes)
+        if "max_steps" not in changes:
+            t = replace(t, max_steps=max(1, math.ceil(args.tokens / t.batch_tokens)))
+        Q = replace(P, output_dir=str(work), run_name=name, train=t)
+        run_dir = Q.run_dir()
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True)
+        (run_dir / "hidden").symlink_to(src / "hidden")
+        (run_dir / "data").symlink_to(src / "data")
+        t0 = time.time()
+        summary = train(Q, run_dir, progress=True)
+        row = {"variant": name, "changes": changes, "tokens_budget": args.tokens, "steps": summary["steps"],
+               "wall_s": round(time.time() - t0, 1), "tokens_per_s": round(summary["tokens_per_s_this_run"], 1),
+               "eval_acc": [round(a, 4) for a in summary["eval"]["acc"]],
+               "acceptance_estimate": round(summary["eval"]["acceptance_estimate"], 4),
+               "date": time.strftime("%Y-%m-%d %H:%M"), "params": args.params}
+        print(json.dumps(row), flush=True)
+        with open(out_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
