@@ -271,11 +271,15 @@ def collate(items: list, max_len: int) -> dict:
 
 def aux_scale(cache, max_tokens: int = 16384) -> torch.Tensor:
     """Robust per-dimension scale s [3, H] (fp32) of the cached aux states: median |x| / 0.6745
-    (the std of a Gaussian) over the first `max_tokens` tokens of the cache, floored at 1e-3 of
+    (the std of a Gaussian) over the first `max_tokens` tokens of the cache (fewer for wide
+    targets: at most 64M values, 2.9k tokens at H=7168), floored at 1e-3 of
     the layer's median scale. Deterministic: a function of the cache only, so a resumed run
     recomputes the same s. The median ignores the few attention-sink positions whose values are
     thousands of times the rest."""
     rows, n = [], 0
+    if len(cache):
+        per_token = cache.get(0)["aux"][0].numel()                            # 3H
+        max_tokens = max(1, min(max_tokens, (64 << 20) // per_token))
     for i in range(len(cache)):
         if n >= max_tokens:
             break
@@ -300,13 +304,14 @@ def fold_aux_scale(state: dict, scale: Optional[torch.Tensor]) -> dict:
 
 
 def prepare_batch(batch: dict, head: TargetHead, ttt_steps: int, device,
-                  aux_scale: Optional[torch.Tensor] = None, exact_top1: bool = True) -> dict:
+                  scale: Optional[torch.Tensor] = None, exact_top1: bool = True) -> dict:
     """Add the labels (target_p, target_top at the label positions) and the per-step counts.
-    aux_scale [3, H]: the batch's aux is divided by it (fp32), see TrainParams.fc_input_scaling.
+    scale [3, H] (see aux_scale): the batch's aux is divided by it (fp32), see
+    TrainParams.fc_input_scaling.
     exact_top1: see TargetHead.labels."""
     b, u = target_positions(batch["loss_mask"])
     p, top = head.labels(batch["final"][b, u], exact_top1=exact_top1)
-    aux = batch["aux"] if aux_scale is None else batch["aux"].float() / aux_scale
+    aux = batch["aux"] if scale is None else batch["aux"].float() / scale
     out = {"input_ids": batch["input_ids"].to(device), "aux": aux.to(device),
            "tgt_b": b.to(device), "tgt_u": u.to(device), "target_p": p, "target_top": top}
     out["counts"] = step_counts(u, ttt_steps)                                 # [J] (cpu)
