@@ -126,21 +126,26 @@ def text_config(model_or_config):
     return getattr(cfg, "text_config", None) or cfg
 
 
+def _weight_map(path: Path) -> dict:
+    """{tensor name: safetensors file name} of a local checkpoint, sharded or single-file."""
+    from safetensors import safe_open
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return json.loads(index.read_text())["weight_map"]
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{path}: no model.safetensors(.index.json); only safetensors checkpoints are read")
+    with safe_open(str(single), framework="pt") as f:
+        return {k: "model.safetensors" for k in f.keys()}
+
+
 def load_target_tensors(path: Path, names: tuple = ("embed", "lm_head")) -> dict:
     """Read only the input embedding and the lm_head of a local checkpoint (safetensors), without
     building the model. Returns {"embed": [V, H], "lm_head": [V, H]}; a tied head returns the
     embedding for both. Works for sharded checkpoints (model.safetensors.index.json)."""
     from safetensors import safe_open
     path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    else:
-        single = path / "model.safetensors"
-        if not single.is_file():
-            raise FileNotFoundError(f"{path}: no model.safetensors(.index.json); only safetensors checkpoints are read")
-        with safe_open(str(single), framework="pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
+    weight_map = _weight_map(path)
 
     def find(suffixes):
         for key in weight_map:
@@ -168,12 +173,7 @@ def load_target_layer(path: Path, layer: int) -> dict:
     Raises KeyError naming what is missing (e.g. a MoE layer has no dense mlp.*_proj)."""
     from safetensors import safe_open
     path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    else:
-        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
+    weight_map = _weight_map(path)
     prefix = f"layers.{int(layer)}."
     wanted = {"q_proj": "self_attn.q_proj.weight", "k_proj": "self_attn.k_proj.weight",
               "v_proj": "self_attn.v_proj.weight", "o_proj": "self_attn.o_proj.weight",

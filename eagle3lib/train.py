@@ -277,15 +277,15 @@ def aux_scale(cache, max_tokens: int = 16384) -> torch.Tensor:
     recomputes the same s. The median ignores the few attention-sink positions whose values are
     thousands of times the rest."""
     rows, n = [], 0
-    if len(cache):
-        per_token = cache.get(0)["aux"][0].numel()                            # 3H
-        max_tokens = max(1, min(max_tokens, (64 << 20) // per_token))
     for i in range(len(cache)):
-        if n >= max_tokens:
-            break
-        a = cache.get(i)["aux"][: max_tokens - n].float()                   # [n_i, 3, H]
+        a = cache.get(i)["aux"]                                               # [n_i, 3, H]
+        if not rows:
+            max_tokens = max(1, min(max_tokens, (64 << 20) // a[0].numel()))  # a[0]: 3H values
+        a = a[: max_tokens - n].float()
         rows.append(a)
         n += len(a)
+        if n >= max_tokens:
+            break
     if not rows:
         raise ValueError("aux_scale: the hidden-state cache is empty")
     a = torch.cat(rows)                                                       # [N, 3, H]

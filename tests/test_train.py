@@ -278,9 +278,10 @@ def test_tiny_run_learns_and_writes_a_vllm_named_final_drafter(tmp_path, sharp_t
     # fc was trained on aux / s (fc_input_scaling): final/ holds it folded, fc'(a) = fc(a / s)
     from eagle3lib.extract import HiddenCache
     s = aux_scale(HiddenCache(P.run_dir() / "hidden" / "train"))
-    trained = load_file(str(ckpts[-1] / "checkpoint.safetensors"))["model.drafter.fc.weight"]
-    torch.testing.assert_close(weights["fc.weight"] * s.reshape(1, -1), trained, rtol=1e-5, atol=1e-6)
-    assert torch.equal(weights["midlayer.mlp.up_proj.weight"], load_file(str(ckpts[-1] / "checkpoint.safetensors"))["model.drafter.midlayer.mlp.up_proj.weight"])
+    last = load_file(str(ckpts[-1] / "checkpoint.safetensors"))
+    torch.testing.assert_close(weights["fc.weight"] * s.reshape(1, -1), last["model.drafter.fc.weight"],
+                               rtol=1e-5, atol=1e-6)
+    assert torch.equal(weights["midlayer.mlp.up_proj.weight"], last["model.drafter.midlayer.mlp.up_proj.weight"])
 
 
 def test_non_finite_loss_names_the_step(tmp_path, sharp_target_dir):
