@@ -70,7 +70,8 @@ class EvalSetup:
     target_dir: Path
     target: object            # transformers causal LM in eval.dtype
     tokenizer: object
-    prompts: list             # [{"id", "category", "input_ids"}]
+    prompts: list             # [{"id", "category", "input_ids"}]; vLLM runs these
+    decoder_prompts: list     # the first eval.decoder_prompts of them: eagle3lib's decoder runs these
     skipped_prompts: int      # held-out prompts over eval.max_prompt_tokens
     eos: list                 # EOS ids (what vLLM stops on)
 
@@ -82,7 +83,12 @@ def load_eval_setup(P, run_dir, limit: Optional[int] = None) -> EvalSetup:
     tok = load_tokenizer(tdir, P.target.trust_remote_code)
     target = load_target(tdir, P.eval.dtype, trust_remote_code=P.target.trust_remote_code)
     prompts, skipped = eval_prompts(P, run_dir, tok, limit)
-    return EvalSetup(tdir, target, tok, prompts, skipped, eos_ids(tdir))
+    return EvalSetup(tdir, target, tok, prompts, decoder_subset(P, prompts), skipped, eos_ids(tdir))
+
+
+def decoder_subset(P, prompts: list) -> list:
+    """The prompts eagle3lib's reference decoder runs: the first eval.decoder_prompts (None: all)."""
+    return prompts[:P.eval.decoder_prompts]
 
 
 def ngram_sweep(P) -> list:
@@ -330,7 +336,8 @@ def ngram_verdict(summary, vllm_summary=None) -> str:
 
 def ngram_metrics(summary, vllm_summary, setup: "EvalSetup", max_new_tokens: int) -> dict:
     """The 01_ngram_baseline section of metrics.json."""
-    out = {"prompts": len(setup.prompts), "skipped_long_prompts": setup.skipped_prompts,
+    out = {"prompts": len(setup.prompts), "decoder_prompts": len(setup.decoder_prompts),
+           "skipped_long_prompts": setup.skipped_prompts,
            "max_new_tokens": max_new_tokens, "eagle3lib": table_metrics(summary),
            "verdict": ngram_verdict(summary, vllm_summary)}
     best = best_method(summary, "ngram")
@@ -352,7 +359,8 @@ def eval_metrics(summary, vllm_summary, setup: "EvalSetup", export_dir, eagle3: 
     def pick(table, method, key):
         r = _row_of(table, method)
         return None if r is None else (float(r[key]) if not isinstance(r[key], list) else [float(x) for x in r[key]])
-    out = {"prompts": len(setup.prompts), "skipped_long_prompts": setup.skipped_prompts,
+    out = {"prompts": len(setup.prompts), "decoder_prompts": len(setup.decoder_prompts),
+           "skipped_long_prompts": setup.skipped_prompts,
            "max_new_tokens": max_new_tokens, "export_dir": str(export_dir),
            "acceptance_length_eagle3lib": pick(summary, eagle3, "acceptance_length"),
            "tau_eagle3lib": pick(summary, eagle3, "tau"),

@@ -121,6 +121,9 @@ class EvalParams:
     use_vllm: bool = True
     vllm_dtype: str = "float32"
     vllm_prompts: Optional[int] = None   # None: same as num_prompts
+    # eagle3lib's reference decoder runs the first n held-out prompts (None: all of them). It is
+    # single-threaded and exact; on a 2-core CPU it costs minutes per method, vLLM seconds.
+    decoder_prompts: Optional[int] = None
     dtype: str = "float32"               # eagle3lib reference decoder dtype
     # Skip held-out prompts longer than this many tokens (chat template applied; counted and
     # reported). None: keep all. Long prompts make CPU evaluation slow (prefill) without
@@ -320,6 +323,10 @@ def validate(p: Params) -> Params:
     need(not (t.freeze_lm_head and not t.init_lm_head), "train.freeze_lm_head",
          "a frozen lm_head must be initialised from the target (train.init_lm_head: true)")
     need(e.num_prompts >= 1, "eval.num_prompts", "must be >= 1")
+    need(e.decoder_prompts is None or e.decoder_prompts >= 1, "eval.decoder_prompts",
+         "must be >= 1 (or null: all eval.num_prompts prompts)")
+    need(e.vllm_prompts is None or e.vllm_prompts >= 1, "eval.vllm_prompts",
+         "must be >= 1 (or null: all eval.num_prompts prompts)")
     need(e.max_new_tokens >= 1, "eval.max_new_tokens", "must be >= 1")
     need(1 <= e.k <= 16, "eval.k", "must be in 1..16")
     need(e.temperature >= 0, "eval.temperature", "must be >= 0")

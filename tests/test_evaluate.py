@@ -111,3 +111,11 @@ def test_eval_prompts_skip_long_ones_and_count_them(tmp_path):
     P = load_params("params/ci.yaml", {"eval": {"prompts_path": str(f), "max_prompt_tokens": 2}})
     with pytest.raises(ValueError, match="max_prompt_tokens"):
         ev.eval_prompts(P, tmp_path, Tok())
+
+
+def test_decoder_runs_a_prefix_of_the_vllm_prompts():
+    prompts = [{"id": str(i)} for i in range(5)]
+    P = load_params("params/ci.yaml", {"eval": {"decoder_prompts": 2}})
+    assert [p["id"] for p in ev.decoder_subset(P, prompts)] == ["0", "1"]
+    P = load_params("params/ci.yaml")
+    assert ev.decoder_subset(P, prompts) == prompts

@@ -39,6 +39,8 @@ def test_inheritance_only_overrides_stated_keys():
     ("train: {resume: 1}", "train.resume"),
     ("data: {max_length: true}", "data.max_length"),
     ("eval: {ngram_k: 4}", "eval.ngram_k"),
+    ("eval: {decoder_prompts: 0}", "eval.decoder_prompts"),
+    ("eval: {vllm_prompts: 0}", "eval.vllm_prompts"),
     ("data: {draft_vocab_size: 60000}", "data.draft_vocab_size"),      # > 49152
     ("extract: {aux_layers: [2, 15, 30]}", "extract.aux_layers"),       # 30 layers: ids 0..29
     ("extract: {aux_layers: [2, 15]}", "extract.aux_layers"),
