@@ -80,6 +80,7 @@ def main(argv=None) -> int:
                "wall_s": round(time.time() - t0, 1), "tokens_per_s": round(summary["tokens_per_s_this_run"], 1),
                "eval_acc": [round(a, 4) for a in summary["eval"]["acc"]],
                "acceptance_estimate": round(summary["eval"]["acceptance_estimate"], 4),
+               "acceptance_replayed": round(summary["eval"]["acceptance_replayed"], 4),
                "date": time.strftime("%Y-%m-%d %H:%M"), "params": args.params}
         print(json.dumps(row), flush=True)
         with open(out_path, "a") as f:

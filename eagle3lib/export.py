@@ -31,14 +31,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Optional, Union
+from typing import Union
 
 import torch
 
-from .files import atomic_write_json
+from .files import atomic_dir, atomic_write_json
 
 LAYOUTS = ("speculators", "eagle3")
 WEIGHTS_FILE = "model.safetensors"
@@ -281,23 +279,10 @@ def export_vllm(final_dir_or_model, out_dir: Union[str, os.PathLike], target_pat
     dtype = str(state["fc.weight"].dtype).replace("torch.", "")
     cfg = config_json(model.config, layout, target_path, k, dtype)
 
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp:
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         atomic_write_json(tmp / "config.json", cfg)
-        old = None
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+    return Path(out_dir)
 
 
 def load_export(export_dir: Union[str, os.PathLike], target_path: Union[str, os.PathLike]):

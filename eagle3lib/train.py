@@ -34,7 +34,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -44,7 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .files import atomic_write_json, read_json
+from .files import atomic_dir, atomic_write_json, read_json
 from .model import Eagle3Config, Eagle3Drafter
 from .params import Params
 
@@ -174,7 +173,7 @@ def step_counts(tgt_u: torch.Tensor, ttt_steps: int) -> torch.Tensor:
 
 
 def ttt_loss(states: list, lm_head: nn.Module, d2t: torch.Tensor, batch: dict, denominators: torch.Tensor,
-             decay: float) -> tuple[torch.Tensor, torch.Tensor]:
+             decay: float, flags: bool = False) -> tuple:
     """Weighted TTT loss over the counted (t, j) pairs only.
 
     states: per step j, the drafter's final-normed states [B, T, H] (Eagle3Drafter.ttt_hidden).
@@ -183,6 +182,8 @@ def ttt_loss(states: list, lm_head: nn.Module, d2t: torch.Tensor, batch: dict, d
     Returns (loss = sum_j decay**j * sum_loss_j / denominators[j], stats [J, 3] = per step
     (summed loss, correct top-1, count), detached). Uncounted positions are never gathered, so
     they add exactly zero to the loss and get exactly zero gradient.
+    flags=True adds a third output, correct [N, J] bool: step j drafted from anchor t = u-1-j
+    predicted label u's top-1 (False where that anchor does not exist); see replay_chain.
     """
     b, u = batch["tgt_b"], batch["tgt_u"]
     weight = lm_head.weight                                                    # [Dv, H]
@@ -191,14 +192,19 @@ def ttt_loss(states: list, lm_head: nn.Module, d2t: torch.Tensor, batch: dict, d
         weight = weight.to(torch.get_autocast_dtype(device_type))
     total = states[0].new_zeros((), dtype=torch.float32)
     stats = []
+    correct_flags = torch.zeros(len(u), len(states), dtype=torch.bool, device=u.device)    # [N, J]
     for j, s in enumerate(states):
         keep = (u >= 1 + j).nonzero().squeeze(-1)                              # t = u-1-j exists
         rows = s[b[keep], u[keep] - 1 - j]                                     # [N_j, H]
         loss_sum, pred = LinearSoftCrossEntropy.apply(rows, weight, batch["target_p"], keep)
         total = total + (decay ** j) * loss_sum / denominators[j].to(loss_sum.dtype)
-        correct = ((pred + d2t[pred]) == batch["target_top"][keep]).sum()
+        hit = (pred + d2t[pred]) == batch["target_top"][keep]                   # [N_j]
+        correct_flags[keep, j] = hit
+        correct = hit.sum()
         stats.append(torch.stack([loss_sum.detach().double(), correct.double(),
                                   torch.tensor(float(len(keep)), dtype=torch.float64, device=correct.device)]))
+    if flags:
+        return total, torch.stack(stats), correct_flags
     return total, torch.stack(stats)
 
 
@@ -222,11 +228,48 @@ class TTTObjective(nn.Module):
         # spares a second compilation.
         self.compiled_ttt = torch.compile(drafter.ttt_hidden, dynamic=True) if compile else None
 
-    def forward(self, batch: dict, denominators: torch.Tensor):
+    def forward(self, batch: dict, denominators: torch.Tensor, flags: bool = False):
         ttt = self.compiled_ttt if self.compiled_ttt is not None and torch.is_grad_enabled() \
             else self.drafter.ttt_hidden
         states = ttt(batch["aux"], batch["input_ids"], self.ttt_steps)
-        return ttt_loss(states, self.drafter.lm_head, self.drafter.d2t, batch, denominators, self.decay)
+        return ttt_loss(states, self.drafter.lm_head, self.drafter.d2t, batch, denominators, self.decay, flags)
+
+
+def replay_chain(u: torch.Tensor, correct: torch.Tensor, k: int,
+                 max_answer_tokens: Optional[int] = None) -> tuple[int, int]:
+    """Replay chain speculative decoding (k drafts per round, T=0) on one sequence's first answer,
+    from teacher-forced flags; returns (rounds, accepted drafts).
+
+    u [N]: the sequence's label positions, ascending; correct [N, J] bool from ttt_loss(flags=True).
+    The first answer is the first contiguous run of labels u0, u0+1, ... (token u0+1 is its first
+    token, which the prefill emits). A round anchored at t (target states up to t, token t+1 known)
+    drafts labels t+1 .. t+k and accepts while step j's flag at label t+1+j holds; it then emits
+    accepted + 1 tokens, so the next round is anchored at t + accepted + 1. The first round is
+    anchored at u0. With the answer's tokens equal to the target's greedy tokens (regenerated data)
+    this is what decoding does, except that decoding stops at max_new_tokens
+    (max_answer_tokens here) and k <= J (ttt_steps) is required.
+    """
+    J = correct.shape[1]
+    if not 1 <= k <= J:
+        raise ValueError(f"k={k}: replay needs 1 <= k <= ttt_steps ({J})")
+    u = u.tolist()
+    if not u:
+        return 0, 0
+    end = 0
+    while end + 1 < len(u) and u[end + 1] == u[end] + 1:                     # first contiguous run
+        end += 1
+    u0, last = u[0], u[end]
+    limit = last if max_answer_tokens is None else min(last, u0 + max_answer_tokens - 1)
+    flag = correct[:end + 1].tolist()                                        # flag[label - u0][j]
+    rounds = accepted = 0
+    t = u0
+    while t + 1 <= limit:
+        n = 0
+        while n < k and t + 1 + n <= limit and flag[t + 1 + n - u0][n]:
+            n += 1
+        rounds, accepted = rounds + 1, accepted + n
+        t += n + 1
+    return rounds, accepted
 
 
 # ==== data =====================================================================================
@@ -438,18 +481,12 @@ def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizers: li
             tensors[f"optim.{name}.{key}"] = torch.as_tensor(value).contiguous()
     tensors["rng.torch"] = torch.get_rng_state()
     meta = {**meta, "step": step, "param_groups": optim_sd["param_groups"]}
-    ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step-{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".step-{step:06d}-", dir=ckpt_root))
-    save_file(tensors, str(tmp / CHECKPOINT_FILE), metadata={"eagle3lab": json.dumps(meta, default=str)})
-    with open(tmp / CHECKPOINT_FILE, "rb") as f:
-        os.fsync(f.fileno())
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    with atomic_dir(final) as tmp:
+        save_file(tensors, str(tmp / CHECKPOINT_FILE), metadata={"eagle3lab": json.dumps(meta, default=str)})
     for old in sorted(ckpt_root.glob("step-*"))[:-KEEP_CHECKPOINTS]:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in ckpt_root.glob(".step-*"):             # temp folders of killed runs
+    for stale in ckpt_root.glob(".step-*"):             # temp folders of killed runs (atomic_dir)
         shutil.rmtree(stale, ignore_errors=True)
     return final
 
@@ -486,32 +523,49 @@ def save_final(out_dir: Path, drafter_state: dict, config: Eagle3Config, extra: 
     config.json = asdict(Eagle3Config); written in a temp folder, then renamed."""
     from safetensors.torch import save_file
     state = {k: v.detach().cpu().contiguous() for k, v in drafter_state.items() if not k.startswith("embed_tokens")}
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".final-", dir=out_dir.parent))
-    save_file(state, str(tmp / "model.safetensors"))
-    (tmp / "config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
-    (tmp / "training.json").write_text(json.dumps(extra, indent=2, default=str) + "\n")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    with atomic_dir(out_dir) as tmp:
+        save_file(state, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
+        (tmp / "training.json").write_text(json.dumps(extra, indent=2, default=str) + "\n")
 
 
 # ==== evaluation ===============================================================================
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list, ttt_steps: int, amp) -> dict:
-    """Per-step soft-CE loss, top-1 accuracy and the acceptance estimate on prepared batches."""
+def evaluate(model: nn.Module, batches: list, ttt_steps: int, amp, max_answer_tokens: Optional[int] = None) -> dict:
+    """Per-step soft-CE loss, top-1 accuracy and the acceptance estimate on prepared batches, and
+    `acceptance_replayed`: chain decoding with k = ttt_steps replayed on each sequence's first
+    answer (replay_chain), which counts acceptance where decoding measures it."""
     was_training = model.training
     model.eval()
     stats = torch.zeros(ttt_steps, 3, dtype=torch.float64)
+    rounds = accepted = 0
     for batch in batches:
         with amp():
-            _, s = model(batch, torch.ones(ttt_steps, dtype=torch.float64))
+            _, s, correct = model(batch, torch.ones(ttt_steps, dtype=torch.float64), flags=True)
         stats += s.cpu()
+        b, u, correct = batch["tgt_b"].cpu(), batch["tgt_u"].cpu(), correct.cpu()
+        for row in b.unique().tolist():
+            sel = b == row
+            r, a = replay_chain(u[sel], correct[sel], ttt_steps, max_answer_tokens)
+            rounds, accepted = rounds + r, accepted + a
     model.train(was_training)
     n = stats[:, 2].clamp(min=1)
     acc = (stats[:, 1] / n).tolist()
     return {"loss": (stats[:, 0] / n).tolist(), "acc": acc, "acceptance_estimate": acceptance_estimate(acc),
+            "acceptance_replayed": 1.0 + accepted / max(1, rounds), "replay_rounds": rounds,
             "positions": stats[:, 2].tolist()}
+
+
+def heldout_batches(eval_cache, sequences: int, head: TargetHead, ttt_steps: int, batch_tokens: int, device,
+                    scale: Optional[torch.Tensor] = None) -> list:
+    """The first `sequences` held-out cache items (of >= 3 tokens) as prepared batches with exact
+    full-vocabulary top-1 labels, in a fixed order."""
+    idx = [i for i in range(min(sequences, len(eval_cache))) if eval_cache.lengths[i] >= 3]
+    batches = []
+    for chunk in bucket_batches([eval_cache.lengths[i] for i in idx], batch_tokens, 0, 0):
+        items = [eval_cache.get(idx[k]) for k in sorted(chunk)]
+        batches.append(prepare_batch(collate(items, batch_tokens), head, ttt_steps, device, scale))
+    return batches
 
 
 # ==== the training loop ========================================================================
@@ -686,13 +740,8 @@ def train(P: Params, run_dir, progress: bool = True, callback: Optional[Callable
         if progress and dist.rank == 0 and ckpt is not None:
             print(f"resumed from {ckpt} (step {step}/{total_steps})")
 
-        eval_batches = []
-        if eval_cache is not None:
-            idx = [i for i in range(min(t.eval_sequences, len(eval_cache))) if eval_cache.lengths[i] >= 3]
-            for chunk in bucket_batches([eval_cache.lengths[i] for i in idx], t.batch_tokens, 0, 0):
-                items = [eval_cache.get(idx[k]) for k in sorted(chunk)]
-                eval_batches.append(prepare_batch(collate(items, t.batch_tokens), head, t.ttt_steps, device,
-                                                  scale))
+        eval_batches = [] if eval_cache is None else \
+            heldout_batches(eval_cache, t.eval_sequences, head, t.ttt_steps, t.batch_tokens, device, scale)
 
         tracker = None
         if t.tracking == "tensorboard" and dist.rank == 0:

@@ -276,3 +276,25 @@ def test_bf16_autocast_loss_and_gradients_stay_close_to_fp32():
     for name in g32:
         rel = ((g16[name] - g32[name]).norm() / g32[name].norm()).item()
         assert rel < 0.05, f"{name}: bf16 gradient differs by {rel:.3f} (relative)"
+
+
+def test_ttt_loss_flags_are_the_per_position_top1_hits():
+    from eagle3lib.train import step_counts, ttt_loss
+    model, items, head, J, prep = _loss_setup()
+    batch = prep(items)
+    with torch.no_grad():
+        states = model.ttt_hidden(batch["aux"], batch["input_ids"], J)
+        loss, stats, correct = ttt_loss(states, model.lm_head, model.d2t, batch,
+                                        step_counts(batch["tgt_u"], J), 0.8, flags=True)
+        logits = model.ttt_forward(batch["aux"], batch["input_ids"], J)    # J x [B, T, Dv]
+    b, u = batch["tgt_b"], batch["tgt_u"]
+    assert correct.shape == (len(u), J) and correct.dtype == torch.bool
+    for j in range(J):
+        assert int(correct[:, j].sum()) == int(stats[j, 1])
+        for i in range(len(u)):
+            if u[i] < 1 + j:
+                assert not correct[i, j]                                   # anchor u-1-j does not exist
+                continue
+            top = int(logits[j][b[i], u[i] - 1 - j].argmax())
+            assert bool(correct[i, j]) == (top + int(model.d2t[top]) == int(batch["target_top"][i]))
+    assert bool(correct.any()) or int(stats[:, 1].sum()) == 0

@@ -20,6 +20,7 @@ from eagle3lib.extract import file_sha256
 from eagle3lib.model import Eagle3Config
 from eagle3lib.params import load_params
 from eagle3lib.train import (acceptance_estimate, aux_scale, bucket_batches, fold_aux_scale, init_from_target_layer,
+                             replay_chain,
                              lr_factor, torchrun_command, train)
 from eagle3lib.vocab import build_draft_vocab, count_assistant_tokens, save_vocab
 
@@ -159,6 +160,30 @@ def test_acceptance_estimate():
     assert abs(acceptance_estimate([0.5, 0.5]) - 1.75) < 1e-12
 
 
+def test_replay_chain_follows_the_decoding_rounds():
+    # labels 5..12 are the first answer (13 is a gap: later turn at 20..22 is ignored)
+    u = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 20, 21, 22])
+    J = 3
+    all_hit = torch.ones(len(u), J, dtype=torch.bool)
+    # anchors 5 (drafts 6,7,8: 3 accepted) -> 9 (10,11,12) -> 13 > last label 12: stop
+    assert replay_chain(u, all_hit, k=3) == (2, 6)
+    assert replay_chain(u, all_hit, k=2) == (3, 5)     # 5 -> 8 -> 11 (drafts 12 only) -> stop
+    none = torch.zeros(len(u), J, dtype=torch.bool)
+    assert replay_chain(u, none, k=3) == (7, 0)        # one token per round: anchors 5..11
+    # step-1 miss at label 7 (anchor 5): round 1 accepts 1; next anchor 7
+    flags = all_hit.clone()
+    flags[2, 1] = False                                  # label 7, step 1
+    flags[4, 0] = False                                  # label 9, step 0 (anchor 8)
+    # anchor 5: label 6 (j0 ok), 7 (j1 miss) -> 1; anchor 7: 8 (j0), 9 (j1 ok), 10 (j2) -> 3;
+    # anchor 11: label 12 (j0) -> 1, stop
+    assert replay_chain(u, flags, k=3) == (3, 5)
+    # the flag of label 9 at step 0 matters only when a round is anchored at 8
+    assert replay_chain(u, flags, k=3, max_answer_tokens=4) == (2, 2)   # labels 5..8 only
+    with pytest.raises(ValueError, match="ttt_steps"):
+        replay_chain(u, all_hit, k=4)
+    assert replay_chain(torch.tensor([], dtype=torch.long), torch.zeros(0, J, dtype=torch.bool), k=3) == (0, 0)
+
+
 def test_target_labels_are_the_renormalised_draft_distribution_and_the_full_top1():
     from eagle3lib.train import TargetHead
     g = torch.Generator().manual_seed(0)
@@ -264,6 +289,7 @@ def test_tiny_run_learns_and_writes_a_vllm_named_final_drafter(tmp_path, sharp_t
     first, last = records[0], records[-1]
     assert last["loss"] < 0.8 * first["loss"], (first["loss"], last["loss"])
     assert len(last["step_acc"]) == 3 and summary["eval"]["acceptance_estimate"] >= 1.0
+    assert 1.0 <= summary["eval"]["acceptance_replayed"] <= 4.0 and summary["eval"]["replay_rounds"] > 0
     assert any("eval" in r for r in records[:-1])                           # eval at checkpoints
     final = Path(summary["final_dir"])
     weights = load_file(str(final / "model.safetensors"))
