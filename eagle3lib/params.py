@@ -102,6 +102,11 @@ class TrainParams:
     init_lm_head: bool = True            # initialise lm_head rows from the target's head
     freeze_lm_head: bool = False
     loss_average: str = "masked"         # masked | all
+    # Which training positions get a soft label: "assistant" (the loss mask, the EAGLE-3 recipe) or
+    # "all" (every token, user turns and template included: the target's distribution is a valid
+    # label after any prefix, so user turns are extra distillation data at no extraction cost).
+    # Held-out evaluation always scores assistant positions.
+    label_positions: str = "assistant"
     compile: bool = False
     tracking: str = "none"               # none | tensorboard
     distributed: str = "none"            # none | ddp | fsdp
@@ -201,6 +206,7 @@ CHOICES = {
     "train.optimizer": {"adamw", "muon"},
     "train.next_step_hidden": {"pre_norm", "post_norm"},
     "train.loss_average": {"masked", "all"},
+    "train.label_positions": {"assistant", "all"},
     "train.tracking": {"none", "tensorboard"},
     "train.distributed": {"none", "ddp", "fsdp"},
     "eval.vllm_dtype": {"bfloat16", "float16", "float32"},

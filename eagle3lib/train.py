@@ -347,12 +347,17 @@ def fold_aux_scale(state: dict, scale: Optional[torch.Tensor]) -> dict:
 
 
 def prepare_batch(batch: dict, head: TargetHead, ttt_steps: int, device,
-                  scale: Optional[torch.Tensor] = None, exact_top1: bool = True) -> dict:
+                  scale: Optional[torch.Tensor] = None, exact_top1: bool = True,
+                  all_positions: bool = False) -> dict:
     """Add the labels (target_p, target_top at the label positions) and the per-step counts.
     scale [3, H] (see aux_scale): the batch's aux is divided by it (fp32), see
     TrainParams.fc_input_scaling.
-    exact_top1: see TargetHead.labels."""
-    b, u = target_positions(batch["loss_mask"])
+    exact_top1: see TargetHead.labels.
+    all_positions: label every real token, not only assistant ones (TrainParams.label_positions)."""
+    mask = batch["loss_mask"]                                                  # [B, T]
+    if all_positions:
+        mask = torch.arange(mask.shape[1])[None, :] < batch["lengths"][:, None]
+    b, u = target_positions(mask)
     p, top = head.labels(batch["final"][b, u], exact_top1=exact_top1)
     aux = batch["aux"] if scale is None else batch["aux"].float() / scale
     out = {"input_ids": batch["input_ids"].to(device), "aux": aux.to(device),
@@ -769,7 +774,8 @@ def train(P: Params, run_dir, progress: bool = True, callback: Optional[Callable
             global_mbs = epoch_batches[epoch][pos * per_step:(pos + 1) * per_step]
             mine = global_mbs[dist.rank::dist.world]                   # disjoint slice per rank
             prepared = [prepare_batch(collate([cache.get(usable[k]) for k in mb], t.batch_tokens), head,
-                                      t.ttt_steps, device, scale, exact_top1=False) for mb in mine]
+                                      t.ttt_steps, device, scale, exact_top1=False,
+                                      all_positions=t.label_positions == "all") for mb in mine]
             lr = set_lr(step)
             loss_value, stats, grad_norm, tokens = optimizer_step(model, optimizers, prepared, t, dist, amp)
             if not math.isfinite(loss_value):

@@ -184,6 +184,28 @@ def test_replay_chain_follows_the_decoding_rounds():
     assert replay_chain(torch.tensor([], dtype=torch.long), torch.zeros(0, J, dtype=torch.bool), k=3) == (0, 0)
 
 
+def test_label_positions_all_labels_every_token_with_a_successor():
+    from eagle3lib.train import TargetHead, collate, prepare_batch
+    g = torch.Generator().manual_seed(3)
+    V, H = 32, 8
+    items = []
+    for n, answer in ((9, (5, 9)), (6, (2, 4))):
+        mask = torch.zeros(n, dtype=torch.long)
+        mask[answer[0]:answer[1]] = 1
+        items.append({"input_ids": torch.randint(V, (n,), generator=g), "loss_mask": mask,
+                      "aux": torch.randn(n, 3, H, generator=g), "final": torch.randn(n, H, generator=g)})
+    head = TargetHead(torch.randn(V, H, generator=g), torch.zeros(16, dtype=torch.long))
+    batch = collate(items, 64)
+    assistant = prepare_batch(batch, head, 2, "cpu")
+    every = prepare_batch(batch, head, 2, "cpu", all_positions=True)
+    # a label at u needs token u+1: 8 + 5 positions; the assistant ones: tokens 5..8 and 2..3
+    assert len(every["tgt_u"]) == 8 + 5 and len(assistant["tgt_u"]) == 4 + 2
+    assert (every["tgt_b"] == 1).sum() == 5 and int(every["tgt_u"][every["tgt_b"] == 1].max()) == 4
+    pairs = set(zip(every["tgt_b"].tolist(), every["tgt_u"].tolist()))
+    assert set(zip(assistant["tgt_b"].tolist(), assistant["tgt_u"].tolist())) <= pairs
+    assert every["counts"].tolist() == [11.0, 9.0]                          # step j needs u >= 1 + j
+
+
 def test_target_labels_are_the_renormalised_draft_distribution_and_the_full_top1():
     from eagle3lib.train import TargetHead
     g = torch.Generator().manual_seed(0)
@@ -370,7 +392,7 @@ def test_design_choices_are_wired_and_the_time_budget_stops_cleanly(tmp_path, sh
     from eagle3lib.vocab import load_vocab
     choices = {"norm_before_residual": False, "norm_before_fc": True, "fc_input_scaling": False,
                "next_step_hidden": "post_norm",
-               "init_lm_head": True, "freeze_lm_head": True, "loss_average": "all", "optimizer": "muon",
+               "init_lm_head": True, "freeze_lm_head": True, "loss_average": "all", "label_positions": "all", "optimizer": "muon",
                "decay": 0.5, "max_steps": 50, "time_budget_minutes": 1e-4, "resume": False}
     path = make_run(tmp_path, sharp_target_dir, choices)
     P = load_params(path)
