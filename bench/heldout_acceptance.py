@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=None, help="drafts per round (default: eval.k)")
     ap.add_argument("--max-answer-tokens", type=int, default=None, help="default: eval.max_new_tokens")
     ap.add_argument("--sequences", type=int, default=10**9, help="held-out sequences (default: all)")
+    ap.add_argument("--split", choices=("eval", "train"), default="eval",
+                    help="cache split; 'train' measures the generalisation gap on seen sequences")
     args = ap.parse_args(argv)
 
     from eagle3lib.export import load_drafter
@@ -53,7 +55,7 @@ def main(argv=None) -> int:
     J = max(k, P.train.ttt_steps)                                    # steps to unroll (>= k)
     d2t, _ = load_vocab(run_dir / "data" / "vocab.safetensors")
     head = TargetHead(load_target_tensors(tdir, ("lm_head",))["lm_head"], d2t)
-    cache = HiddenCache(run_dir / "hidden" / "eval")
+    cache = HiddenCache(run_dir / "hidden" / args.split)
     batches = heldout_batches(cache, args.sequences, head, J, P.train.batch_tokens, "cpu")
     objective = TTTObjective(drafter, J, P.train.decay)
     amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if P.train.dtype == "bfloat16" \
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
                     hits[1] += 1
     n = stats[:, 2].clamp(min=1)
     acc = (stats[:, 1] / n).tolist()
-    row = {"run": str(run_dir), "k": k, "ttt_steps": J, "sequences": sequences,
+    row = {"run": str(run_dir), "split": args.split, "k": k, "ttt_steps": J, "sequences": sequences,
            "step_acc_all_positions": [round(a, 4) for a in acc],
            "product_estimate": round(acceptance_estimate(acc[:k]), 4),
            "replayed_whole_first_answer": round(1 + whole[1] / max(1, whole[0]), 4), "rounds_whole": whole[0],

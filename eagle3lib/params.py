@@ -107,6 +107,10 @@ class TrainParams:
     # label after any prefix, so user turns are extra distillation data at no extraction cost).
     # Held-out evaluation always scores assistant positions.
     label_positions: str = "assistant"
+    # Gaussian noise added to the fc input (aux / s, s: see fc_input_scaling) during training only,
+    # std in units of s: a regulariser against memorising the training sequences (EAGLE-1 added
+    # noise to its features for the same reason). 0: off. Evaluation never adds noise.
+    feature_noise: float = 0.0
     compile: bool = False
     tracking: str = "none"               # none | tensorboard
     distributed: str = "none"            # none | ddp | fsdp
@@ -324,6 +328,7 @@ def validate(p: Params) -> Params:
     need(t.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
     need(t.nproc >= 1, "train.nproc", "must be >= 1")
     need(t.eval_sequences >= 1, "train.eval_sequences", "must be >= 1")
+    need(0 <= t.feature_noise <= 10, "train.feature_noise", "must be in [0, 10] (std in units of the aux scale)")
     need(not (t.fc_input_scaling and t.norm_before_fc), "train.fc_input_scaling",
          "cannot be folded into fc behind an RMSNorm: set it false when train.norm_before_fc is true")
     need(not (t.freeze_lm_head and not t.init_lm_head), "train.freeze_lm_head",

@@ -367,6 +367,20 @@ def prepare_batch(batch: dict, head: TargetHead, ttt_steps: int, device,
     return out
 
 
+def add_feature_noise(prepared: dict, std: float, scale: Optional[torch.Tensor], seed: int, step: int) -> dict:
+    """Training-only regulariser (TrainParams.feature_noise): aux += std * s * N(0, 1), where s [3, H]
+    is the aux scale (1 when the batch is already aux / s). The noise is a function of (seed, step)
+    only, so a resumed run draws the same noise. Returns a new dict; `prepared` is not modified."""
+    if std <= 0:
+        return prepared
+    aux = prepared["aux"]                                                      # [B, T, 3, H] fp32
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    noise = torch.randn(aux.shape, generator=gen, dtype=torch.float32) * std   # [B, T, 3, H]
+    if scale is not None:
+        noise = noise * scale.to(noise.dtype)
+    return {**prepared, "aux": (aux.float() + noise.to(aux.device)).to(aux.dtype)}
+
+
 # ==== schedule, optimizer =======================================================================
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     """Linear warmup to 1, then cosine down to min_ratio at `total` steps."""
@@ -699,6 +713,7 @@ def train(P: Params, run_dir, progress: bool = True, callback: Optional[Callable
         d2t, t2d = load_vocab(run_dir / "data" / "vocab.safetensors")
         tdir = target_path(P)
         scale = aux_scale(cache) if t.fc_input_scaling else None                # [3, H] or None
+        noise_scale = aux_scale(cache) if t.feature_noise > 0 and not t.fc_input_scaling else None
         drafter = build_drafter(P, tdir, cache.hidden_size, cache.aux_layers, d2t, t2d, scale).to(device)
         head = TargetHead(load_target_tensors(tdir, ("lm_head",))["lm_head"], d2t).to(device)
         objective = TTTObjective(drafter, t.ttt_steps, t.decay, compile=t.compile)
@@ -776,6 +791,10 @@ def train(P: Params, run_dir, progress: bool = True, callback: Optional[Callable
             prepared = [prepare_batch(collate([cache.get(usable[k]) for k in mb], t.batch_tokens), head,
                                       t.ttt_steps, device, scale, exact_top1=False,
                                       all_positions=t.label_positions == "all") for mb in mine]
+            if t.feature_noise > 0:                                    # after the labels: they stay exact
+                prepared = [add_feature_noise(b, t.feature_noise, None if t.fc_input_scaling else noise_scale,
+                                              P.seed * 1009 + dist.rank * 101 + i, step)
+                            for i, b in enumerate(prepared)]
             lr = set_lr(step)
             loss_value, stats, grad_norm, tokens = optimizer_step(model, optimizers, prepared, t, dist, amp)
             if not math.isfinite(loss_value):

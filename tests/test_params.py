@@ -46,6 +46,7 @@ def test_inheritance_only_overrides_stated_keys():
     ("extract: {aux_layers: [2, 15]}", "extract.aux_layers"),
     ("train: {optimizer: sgd}", "train.optimizer"),
     ("train: {ttt_steps: 0}", "train.ttt_steps"),
+    ("train: {feature_noise: -0.1}", "train.feature_noise"),
     ("train: {freeze_lm_head: true, init_lm_head: false}", "train.freeze_lm_head"),
     ("train: {norm_before_fc: true}", "train.fc_input_scaling"),
     ("train: {init_from_layer: 30}", "train.init_from_layer"),

@@ -206,6 +206,27 @@ def test_label_positions_all_labels_every_token_with_a_successor():
     assert every["counts"].tolist() == [11.0, 9.0]                          # step j needs u >= 1 + j
 
 
+def test_feature_noise_perturbs_only_aux_reproducibly_and_scales_with_s():
+    from eagle3lib.train import add_feature_noise
+    g = torch.Generator().manual_seed(5)
+    prepared = {"aux": torch.randn(2, 7, 3, 4, generator=g), "input_ids": torch.randint(9, (2, 7), generator=g),
+                "target_p": torch.rand(5, 6, generator=g)}
+    assert add_feature_noise(prepared, 0.0, None, 0, 3) is prepared
+    a = add_feature_noise(prepared, 0.5, None, 0, 3)
+    b = add_feature_noise(prepared, 0.5, None, 0, 3)
+    c = add_feature_noise(prepared, 0.5, None, 0, 4)
+    assert torch.equal(a["aux"], b["aux"]) and not torch.equal(a["aux"], c["aux"])   # a function of (seed, step)
+    assert a["input_ids"] is prepared["input_ids"] and a["target_p"] is prepared["target_p"]
+    noise = a["aux"] - prepared["aux"]
+    assert 0.4 < float(noise.std()) < 0.6 and abs(float(noise.mean())) < 0.15
+    scale = torch.tensor([1.0, 10.0, 100.0])[:, None].expand(3, 4)               # s [3, H]
+    scaled = add_feature_noise(prepared, 0.5, scale, 0, 3)["aux"] - prepared["aux"]
+    assert torch.allclose(scaled, noise * scale, rtol=1e-5, atol=1e-5)
+    before = prepared["aux"].clone()
+    add_feature_noise(prepared, 1.0, None, 1, 1)
+    assert torch.equal(prepared["aux"], before)
+
+
 def test_target_labels_are_the_renormalised_draft_distribution_and_the_full_top1():
     from eagle3lib.train import TargetHead
     g = torch.Generator().manual_seed(0)
@@ -393,6 +414,7 @@ def test_design_choices_are_wired_and_the_time_budget_stops_cleanly(tmp_path, sh
     choices = {"norm_before_residual": False, "norm_before_fc": True, "fc_input_scaling": False,
                "next_step_hidden": "post_norm",
                "init_lm_head": True, "freeze_lm_head": True, "loss_average": "all", "label_positions": "all", "optimizer": "muon",
+               "feature_noise": 0.3,
                "decay": 0.5, "max_steps": 50, "time_budget_minutes": 1e-4, "resume": False}
     path = make_run(tmp_path, sharp_target_dir, choices)
     P = load_params(path)
