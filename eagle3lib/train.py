@@ -374,11 +374,11 @@ def add_feature_noise(prepared: dict, std: float, scale: Optional[torch.Tensor],
     if std <= 0:
         return prepared
     aux = prepared["aux"]                                                      # [B, T, 3, H] fp32
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    noise = torch.randn(aux.shape, generator=gen, dtype=torch.float32) * std   # [B, T, 3, H]
+    gen = torch.Generator(device=aux.device).manual_seed(seed * 1_000_003 + step)
+    noise = torch.randn(aux.shape, generator=gen, dtype=torch.float32, device=aux.device) * std  # [B, T, 3, H]
     if scale is not None:
-        noise = noise * scale.to(noise.dtype)
-    return {**prepared, "aux": (aux.float() + noise.to(aux.device)).to(aux.dtype)}
+        noise = noise * scale.to(noise.device, noise.dtype)
+    return {**prepared, "aux": (aux.float() + noise).to(aux.dtype)}
 
 
 # ==== schedule, optimizer =======================================================================
@@ -713,6 +713,7 @@ def train(P: Params, run_dir, progress: bool = True, callback: Optional[Callable
         d2t, t2d = load_vocab(run_dir / "data" / "vocab.safetensors")
         tdir = target_path(P)
         scale = aux_scale(cache) if t.fc_input_scaling else None                # [3, H] or None
+        # noise is in units of s: the batch already holds aux / s when fc_input_scaling is on
         noise_scale = aux_scale(cache) if t.feature_noise > 0 and not t.fc_input_scaling else None
         drafter = build_drafter(P, tdir, cache.hidden_size, cache.aux_layers, d2t, t2d, scale).to(device)
         head = TargetHead(load_target_tensors(tdir, ("lm_head",))["lm_head"], d2t).to(device)
@@ -792,7 +793,7 @@ def train(P: Params, run_dir, progress: bool = True, callback: Optional[Callable
                                       t.ttt_steps, device, scale, exact_top1=False,
                                       all_positions=t.label_positions == "all") for mb in mine]
             if t.feature_noise > 0:                                    # after the labels: they stay exact
-                prepared = [add_feature_noise(b, t.feature_noise, None if t.fc_input_scaling else noise_scale,
+                prepared = [add_feature_noise(b, t.feature_noise, noise_scale,
                                               P.seed * 1009 + dist.rank * 101 + i, step)
                             for i, b in enumerate(prepared)]
             lr = set_lr(step)
