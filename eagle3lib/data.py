@@ -514,20 +514,32 @@ def prepare_data(P, run_dir, progress: bool = True, force: bool = False) -> dict
     train_chats, skipped_long = select_train(tokenizer, pool, d.num_train, d.max_length, progress)
 
     regen_stats = None
-    train_in, eval_in = train_chats, eval_chats
+    train_in, eval_in, original = train_chats, eval_chats, []
     if d.regenerate:
         from .regenerate import regenerate_chats
-        regenerated, regen_stats = regenerate_chats(P, run_dir, train_chats + eval_chats, progress)
+        # regen_num_train: only the first N training chats are regenerated; the rest keep the
+        # dataset's answers (appended after the regenerated ones).
+        to_regen = train_chats if d.regen_num_train is None else train_chats[:d.regen_num_train]
+        original = train_chats[len(to_regen):]
+        regenerated, regen_stats = regenerate_chats(P, run_dir, to_regen + eval_chats, progress)
         by_id = {c["id"]: c for c in regenerated}
-        train_in = [by_id[c["id"]] for c in train_chats if c["id"] in by_id]
+        train_in = [by_id[c["id"]] for c in to_regen if c["id"] in by_id]
         eval_in = [by_id[c["id"]] for c in eval_chats if c["id"] in by_id]
+        regen_stats["train_regenerated"] = len(train_in)
+        regen_stats["train_original_answers"] = len(original)
 
-    train_cols, train_stats = tokenize_chats(tokenizer, train_in, d.max_length, progress, "tokenize train")
+    train_cols, train_stats = tokenize_chats(tokenizer, train_in + original, d.max_length, progress,
+                                             "tokenize train")
     eval_cols, eval_stats = tokenize_chats(tokenizer, eval_in, d.max_length, progress, "tokenize eval")
 
     shape = P.target_shape() or {}
     vocab_size = max(int(shape.get("vocab_size", 0)), len(tokenizer))
-    pairs = list(zip(train_cols["input_ids"], train_cols["loss_mask"]))
+    # The draft vocabulary counts the answers the target itself wrote: the dataset's answers kept by
+    # regen_num_train are another model's text and would pull in tokens the target rarely emits.
+    kept_ids = set(c["id"] for c in train_in) if original else None
+    pairs = [(ids, mask) for cid, ids, mask in zip(train_cols["conv_id"], train_cols["input_ids"],
+                                                   train_cols["loss_mask"])
+             if kept_ids is None or cid in kept_ids]
     counts = vocab_lib.count_assistant_tokens(pairs, vocab_size)                       # [V]
     eval_counts = vocab_lib.count_assistant_tokens(
         zip(eval_cols["input_ids"], eval_cols["loss_mask"]), vocab_size)               # [V]

@@ -54,6 +54,9 @@ class DataParams:
     regen_temperature: float = 0.0
     regen_max_turns: int = 1             # assistant turns regenerated per chat; later turns dropped
     regen_batch_size: int = 32
+    regen_num_train: Optional[int] = None  # regenerate only the first N training chats (None: all);
+                                         # the rest keep the dataset's answers: off-policy text, but
+                                         # its soft labels are still the target's (extraction-only cost)
 
 
 @dataclass
@@ -309,6 +312,10 @@ def validate(p: Params) -> Params:
     need(d.regen_temperature >= 0, "data.regen_temperature", "must be >= 0")
     need(d.regen_max_turns >= 1, "data.regen_max_turns", "must be >= 1")
     need(d.regen_batch_size >= 1, "data.regen_batch_size", "must be >= 1")
+    need(d.regen_num_train is None or d.regen_num_train >= 1, "data.regen_num_train", "must be >= 1")
+    need(d.regen_num_train is None or d.regenerate, "data.regen_num_train", "needs data.regenerate: true")
+    need(d.regen_num_train is None or d.num_train is None or d.regen_num_train <= d.num_train,
+         "data.regen_num_train", "must be <= data.num_train")
     need(d.source == "sharegpt" or d.source.endswith((".json", ".jsonl")), "data.source",
          f"must be 'sharegpt' or a .json/.jsonl file, got {d.source!r}")
     need(x.batch_tokens >= d.max_length, "extract.batch_tokens", "must be >= data.max_length")

@@ -65,12 +65,23 @@ def drafter_params(shape: Shape, draft_vocab: int) -> float:
     return fc + attn + mlp + draft_vocab * h
 
 
+def regenerated_conversations(p: Params, n_conv: int) -> int:
+    """How many of the n_conv training chats get the target's answers (data.regen_num_train)."""
+    if not p.data.regenerate:
+        return 0
+    return n_conv if p.data.regen_num_train is None else min(n_conv, p.data.regen_num_train)
+
+
 def tokens_per_conversation(p: Params, stats: Optional[dict] = None) -> float:
     if stats and stats.get("train_tokens") and stats.get("train_conversations"):
         return stats["train_tokens"] / stats["train_conversations"]
-    if p.data.regenerate:
-        return min(p.data.max_length, REGEN_PROMPT_TOKENS + p.data.regen_max_new_tokens * p.data.regen_max_turns)
-    return min(p.data.max_length, SHAREGPT_MEAN_TOKENS)
+    original = min(p.data.max_length, SHAREGPT_MEAN_TOKENS)
+    if not p.data.regenerate:
+        return original
+    regenerated = min(p.data.max_length, REGEN_PROMPT_TOKENS + p.data.regen_max_new_tokens * p.data.regen_max_turns)
+    n_conv = p.data.num_train or 17_671 - p.data.num_eval
+    n_regen = regenerated_conversations(p, n_conv)
+    return (n_regen * regenerated + (n_conv - n_regen) * original) / n_conv
 
 
 def capacity_plan(p: Params, stats: Optional[dict] = None) -> dict:
@@ -84,7 +95,7 @@ def capacity_plan(p: Params, stats: Optional[dict] = None) -> dict:
     cache_bytes = tokens * bytes_per_token
     draft_p = drafter_params(shape, p.data.draft_vocab_size)
     steps = p.train.ttt_steps
-    regen_tokens = n_conv * p.data.regen_max_new_tokens * p.data.regen_max_turns if p.data.regenerate else 0
+    regen_tokens = regenerated_conversations(p, n_conv) * p.data.regen_max_new_tokens * p.data.regen_max_turns
     if shape.num_gpus == 0:  # this CPU: measured throughputs
         extract_tps = CPU_EXTRACT_TOKENS_PER_S
         train_tps = CPU_TRAIN_TOKENS_PER_S * 7 / steps

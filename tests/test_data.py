@@ -5,6 +5,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from eagle3lib import data as D
 from eagle3lib.params import load_params
@@ -471,6 +472,52 @@ def test_prepare_data_with_regeneration(tiny_target_dir, tmp_path):
             assert run == expected
         else:
             assert expected.startswith(run)
+
+
+def test_prepare_data_regenerates_only_the_first_regen_num_train(tiny_target_dir, tmp_path):
+    """regen_num_train: the first N training chats get the target's answers, the rest keep the
+    dataset's; the draft vocabulary counts only the target's answers."""
+    from eagle3lib import vocab as V
+    from eagle3lib.vocab import load_vocab
+    P = tiny_params(tiny_target_dir, tmp_path, max_records=60, num_eval=2, num_train=5,
+                    regen_num_train=2, regen_temperature=1.0, draft_vocab_size=8)
+    run_dir = P.run_dir("r")
+    stats = D.prepare_data(P, run_dir, progress=False)
+    regen = stats["regen"]
+    assert regen["conversations"] == 2 + 2                  # 2 training + 2 held-out chats
+    assert regen["train_original_answers"] == 3
+    results = load_results(regen_dir(P, run_dir))
+    eval_chats, pool, _ = D.held_out_chats(P)
+    from eagle3lib.target import load_tokenizer
+    tok = load_tokenizer(tiny_target_dir)
+    chosen, _ = D.select_train(tok, pool, 5, P.data.max_length, progress=False)
+    assert set(results) == {c["id"] for c in chosen[:2] + eval_chats}
+    train = D.load_processed(run_dir, "train")
+    originals = {c["id"]: c for c in chosen[2:]}
+    assert len(train) == regen["train_regenerated"] + 3
+    regenerated_rows = []
+    for conv_id, ids, mask in zip(train["conv_id"], train["input_ids"], train["loss_mask"]):
+        first_answer = masked_runs(tok, ids, mask)[0]
+        if conv_id in originals:   # the dataset's own first answer, not a regenerated one
+            source = next(m["content"] for m in originals[conv_id]["messages"] if m["role"] == "assistant")
+            assert (source + END).startswith(first_answer) and len(first_answer) > 0
+        else:
+            assert conv_id in results
+            regenerated_rows.append((ids, mask))
+    counts = V.count_assistant_tokens(regenerated_rows, stats["vocab_size"])
+    d2t, _ = load_vocab(run_dir / "data" / "vocab.safetensors")
+    assert torch.equal(d2t, V.build_draft_vocab(counts, 8)[0])
+    everything = V.count_assistant_tokens(zip(train["input_ids"], train["loss_mask"]), stats["vocab_size"])
+    assert not torch.equal(d2t, V.build_draft_vocab(everything, 8)[0])   # the test can tell them apart
+
+
+def test_regen_num_train_is_validated():
+    from eagle3lib.params import ParamsError
+    for data, match in [({"regenerate": False, "regen_num_train": 2}, "needs data.regenerate"),
+                        ({"regenerate": True, "num_train": 3, "regen_num_train": 4}, "<= data.num_train"),
+                        ({"regenerate": True, "regen_num_train": 0}, ">= 1")]:
+        with pytest.raises(ParamsError, match=f"data.regen_num_train: .*{match}"):
+            load_params("params/ci.yaml", {"data": data})
 
 
 def test_eval_prompts_file(tmp_path, ci_params):

@@ -37,6 +37,19 @@ def test_measured_stats_override_the_estimate():
     assert plan["tokens_to_extract"] == 24 * 100
 
 
+def test_plan_counts_only_regenerated_chats_as_regeneration():
+    full = load_params("params/local.yaml", {"data": {"regen_num_train": None}})
+    mixed = load_params("params/local.yaml", {"data": {"num_train": 3000, "regen_num_train": 1000}})
+    n = full.data.regen_max_new_tokens * full.data.regen_max_turns
+    assert capacity_plan(full)["regen_tokens"] == full.data.num_train * n
+    plan = capacity_plan(mixed)
+    assert plan["regen_tokens"] == 1000 * n
+    per_regen = capacity_plan(full)["tokens_per_conversation"]
+    per_original = capacity_plan(load_params("params/local.yaml", {"data": {"regenerate": False}}))["tokens_per_conversation"]
+    assert per_regen != per_original
+    assert plan["tokens_per_conversation"] == pytest.approx((1000 * per_regen + 2000 * per_original) / 3000)
+
+
 def test_cli_plan_prints_bytes_and_hours():
     r = subprocess.run([sys.executable, "-m", "eagle3lib.cli", "plan", "--params", "params/b300.yaml"],
                        capture_output=True, text=True)
