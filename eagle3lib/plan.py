@@ -65,6 +65,10 @@ def drafter_params(shape: Shape, draft_vocab: int) -> float:
     return fc + attn + mlp + draft_vocab * h
 
 
+def train_conversations(p: Params) -> int:
+    return p.data.num_train or 17_671 - p.data.num_eval
+
+
 def regenerated_conversations(p: Params, n_conv: int) -> int:
     """How many of the n_conv training chats get the target's answers (data.regen_num_train)."""
     if not p.data.regenerate:
@@ -79,7 +83,7 @@ def tokens_per_conversation(p: Params, stats: Optional[dict] = None) -> float:
     if not p.data.regenerate:
         return original
     regenerated = min(p.data.max_length, REGEN_PROMPT_TOKENS + p.data.regen_max_new_tokens * p.data.regen_max_turns)
-    n_conv = p.data.num_train or 17_671 - p.data.num_eval
+    n_conv = train_conversations(p)
     n_regen = regenerated_conversations(p, n_conv)
     return (n_regen * regenerated + (n_conv - n_regen) * original) / n_conv
 
@@ -87,7 +91,7 @@ def tokens_per_conversation(p: Params, stats: Optional[dict] = None) -> float:
 def capacity_plan(p: Params, stats: Optional[dict] = None) -> dict:
     """The plan as a flat dict of named quantities (bytes, tokens, seconds)."""
     shape = target_shape(p)
-    n_conv = p.data.num_train or 17_671 - p.data.num_eval
+    n_conv = train_conversations(p)
     tok_per_conv = tokens_per_conversation(p, stats)
     tokens = n_conv * tok_per_conv
     elem = 2 if p.extract.dtype in ("bfloat16", "float16") else 4
