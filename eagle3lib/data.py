@@ -536,10 +536,10 @@ def prepare_data(P, run_dir, progress: bool = True, force: bool = False) -> dict
     vocab_size = max(int(shape.get("vocab_size", 0)), len(tokenizer))
     # The draft vocabulary counts the answers the target itself wrote: the dataset's answers kept by
     # regen_num_train are another model's text and would pull in tokens the target rarely emits.
-    kept_ids = set(c["id"] for c in train_in) if original else None
+    target_answer_ids = {c["id"] for c in train_in}
     pairs = [(ids, mask) for cid, ids, mask in zip(train_cols["conv_id"], train_cols["input_ids"],
                                                    train_cols["loss_mask"])
-             if kept_ids is None or cid in kept_ids]
+             if cid in target_answer_ids]
     counts = vocab_lib.count_assistant_tokens(pairs, vocab_size)                       # [V]
     eval_counts = vocab_lib.count_assistant_tokens(
         zip(eval_cols["input_ids"], eval_cols["loss_mask"]), vocab_size)               # [V]
