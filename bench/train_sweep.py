@@ -9,7 +9,8 @@ Variants run one after another in this process: the trainer is the real `eagle3l
 
 A variant is `name:key=value,key=value` over train.* fields (values parsed as YAML scalars).
 max_steps is set from --tokens / batch_tokens unless the variant gives it. Results are appended
-to outputs/bench/train_sweep.jsonl.
+to outputs/bench/train_sweep.jsonl; `curve` holds the held-out estimate at every checkpoint (give a
+variant `checkpoint_every=200` to get one; the default evaluates only at the end).
 """
 from __future__ import annotations
 
@@ -76,11 +77,15 @@ def main(argv=None) -> int:
         (run_dir / "data").symlink_to(src / "data")
         t0 = time.time()
         summary = train(Q, run_dir, progress=True)
+        history = json.loads((run_dir / "train" / "history.json").read_text())
+        curve = [[r["step"], round(r["eval"]["acceptance_estimate"], 4), round(r["eval"]["acceptance_replayed"], 4)]
+                 for r in history if "eval" in r]   # [step, estimate, replayed]
         row = {"variant": name, "changes": changes, "tokens_budget": args.tokens, "steps": summary["steps"],
                "wall_s": round(time.time() - t0, 1), "tokens_per_s": round(summary["tokens_per_s_this_run"], 1),
                "eval_acc": [round(a, 4) for a in summary["eval"]["acc"]],
                "acceptance_estimate": round(summary["eval"]["acceptance_estimate"], 4),
                "acceptance_replayed": round(summary["eval"]["acceptance_replayed"], 4),
+               "curve": curve,
                "date": time.strftime("%Y-%m-%d %H:%M"), "params": args.params}
         print(json.dumps(row), flush=True)
         with open(out_path, "a") as f:

@@ -33,7 +33,7 @@ class ParamsError(ValueError):
 @dataclass
 class TargetParams:
     path: str = EMBEDDED_TARGET          # "embedded:smollm2" or a local HF checkpoint folder
-    dtype: str = "bfloat16"              # dtype for bulk work (extraction, regeneration)
+    dtype: str = "bfloat16"              # dtype for bulk work (extraction, regeneration); "auto": see auto_dtype
     # Shape used for validation and the capacity plan when the checkpoint is not on this machine
     # (keys: num_hidden_layers, hidden_size, vocab_size, optionally intermediate_size, ...).
     shape: Optional[dict] = None
@@ -84,7 +84,7 @@ class TrainParams:
     time_budget_minutes: Optional[float] = None  # stop cleanly when the budget is spent
     batch_tokens: int = 4096             # tokens per micro-batch (length-bucketed)
     grad_accum: int = 1
-    dtype: str = "float32"               # float32 | bfloat16 (autocast)
+    dtype: str = "float32"               # float32 | bfloat16 (autocast) | auto (see auto_dtype)
     optimizer: str = "adamw"             # adamw | muon
     checkpoint_every: int = 200
     resume: bool = True
@@ -204,12 +204,12 @@ SECTIONS = {"target": TargetParams, "data": DataParams, "extract": ExtractParams
             "train": TrainParams, "eval": EvalParams}
 
 CHOICES = {
-    "target.dtype": {"bfloat16", "float16", "float32"},
+    "target.dtype": {"bfloat16", "float16", "float32", "auto"},
     "extract.dtype": {"bfloat16", "float16", "float32"},
     "extract.backend": {"hf", "vllm"},
     "extract.device": {"auto", "cpu", "cuda"},
     "data.regen_backend": {"auto", "vllm", "hf"},
-    "train.dtype": {"float32", "bfloat16"},
+    "train.dtype": {"float32", "bfloat16", "auto"},
     "train.optimizer": {"adamw", "muon"},
     "train.next_step_hidden": {"pre_norm", "post_norm"},
     "train.loss_average": {"masked", "all"},
@@ -380,14 +380,55 @@ def validate(p: Params) -> Params:
     return p
 
 
+# ---- dtype "auto" ---------------------------------------------------------------------------
+# bf16 is 3-4x faster than fp32 on a CPU that computes it natively (AVX512-BF16 / AMX: prefill
+# 3,400 vs 890 tok/s for SmolLM2) and 3-5x SLOWER on one that emulates it (AVX2 only: vLLM
+# regeneration 17 vs 91 tok/s, NOTES.md, seventh session). The same profile has to run on both.
+NATIVE_BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}   # x86 AVX512-BF16 and AMX; Arm BF16
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set:
+    """The feature flags of this CPU (Linux); empty when they cannot be read."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return set()
+    flags = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            flags.update(value.split())
+    return flags
+
+
+def auto_dtype(flags: Optional[set] = None, cuda: Optional[bool] = None) -> str:
+    """"bfloat16" where bf16 math is native (a CUDA device, or a CPU with a flag in
+    NATIVE_BF16_CPU_FLAGS), else "float32"."""
+    if cuda is None:
+        import torch  # only when a profile asks for "auto"
+        cuda = torch.cuda.is_available()
+    flags = cpu_flags() if flags is None else flags
+    return "bfloat16" if cuda or flags & NATIVE_BF16_CPU_FLAGS else "float32"
+
+
+def resolve_auto_dtypes(p: Params, flags: Optional[set] = None, cuda: Optional[bool] = None) -> Params:
+    """Replace dtype "auto" (target.dtype, train.dtype) by the concrete dtype for this machine, so
+    that cache keys, subprocess arguments and reports all see what really runs."""
+    for section in ("target", "train"):
+        sec = getattr(p, section)
+        if sec.dtype == "auto":
+            setattr(p, section, dataclasses.replace(sec, dtype=auto_dtype(flags, cuda)))
+    return p
+
+
 def load_params(path: str | os.PathLike, overrides: Optional[dict] = None) -> Params:
-    """Load, merge (inherit), type-check and validate a profile. Relative paths resolve from
-    the current folder first, then from the repository root."""
+    """Load, merge (inherit), type-check and validate a profile, then resolve dtype "auto".
+    Relative paths resolve from the current folder first, then from the repository root."""
     path = resolve_path(path)
     raw = _read_yaml(path)
     if overrides:
         raw = _merge(raw, overrides)
-    return validate(_build(Params, raw, ""))
+    return resolve_auto_dtypes(validate(_build(Params, raw, "")))
 
 
 def repo_root() -> Path:

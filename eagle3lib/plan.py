@@ -19,7 +19,8 @@ SHAREGPT_MEAN_TOKENS = 1100
 # Regenerated chats: the prompt (system + first user turn) plus the capped answer.
 REGEN_PROMPT_TOKENS = 120
 
-# Throughputs measured on this 2-core CPU (DEVELOPERS.md, NOTES.md), tokens per second.
+# Throughputs measured on this 2-core CPU (DEVELOPERS.md, NOTES.md), tokens per second, on a host
+# with native bf16 (AVX512-BF16/AMX). An AVX2-only host is far slower: NOTES.md, seventh session.
 CPU_EXTRACT_TOKENS_PER_S = 3400      # bf16 forward with hidden states, SmolLM2, 8 x 256
 CPU_TRAIN_TOKENS_PER_S = 800         # drafter training goal/measure at ttt_steps 7 (H=576)
 CPU_REGEN_TOKENS_PER_S = 400         # vLLM CPU batched generation (SmolLM2), see NOTES.md

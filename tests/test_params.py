@@ -45,6 +45,8 @@ def test_inheritance_only_overrides_stated_keys():
     ("extract: {aux_layers: [2, 15, 30]}", "extract.aux_layers"),       # 30 layers: ids 0..29
     ("extract: {aux_layers: [2, 15]}", "extract.aux_layers"),
     ("train: {optimizer: sgd}", "train.optimizer"),
+    ("extract: {dtype: auto}", "extract.dtype"),                       # the cache dtype is never guessed
+    ("eval: {dtype: auto}", "eval.dtype"),
     ("train: {ttt_steps: 0}", "train.ttt_steps"),
     ("train: {feature_noise: -0.1}", "train.feature_noise"),
     ("train: {freeze_lm_head: true, init_lm_head: false}", "train.freeze_lm_head"),
@@ -103,3 +105,32 @@ def test_non_causal_config_is_a_params_error(tmp_path):
     (model / "config.json").write_text('{"model_type": "t5", "d_model": 64, "vocab_size": 100}')
     with pytest.raises(ParamsError, match="target.path"):
         load_params(write(tmp_path, f"target: {{path: {model}}}"))
+
+
+CPUINFO = {
+    "avx2": "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx fma avx2\n\nprocessor\t: 1\nflags\t\t: fpu sse2 avx fma avx2\n",
+    "amx": "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile amx_bf16\n",
+    "arm": "processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n",
+}
+
+
+@pytest.mark.parametrize("cpu, cuda, expected", [
+    ("avx2", False, "float32"), ("amx", False, "bfloat16"), ("arm", False, "bfloat16"), ("avx2", True, "bfloat16"),
+])
+def test_auto_dtype_is_bf16_only_where_bf16_math_is_native(tmp_path, cpu, cuda, expected):
+    from eagle3lib.params import auto_dtype, cpu_flags
+    flags = cpu_flags(write(tmp_path, CPUINFO[cpu], "cpuinfo"))
+    assert auto_dtype(flags, cuda=cuda) == expected
+    assert cpu_flags(tmp_path / "no-such-file") == set()
+
+
+@pytest.mark.parametrize("cpu, expected", [("avx2", "float32"), ("amx", "bfloat16")])
+def test_load_params_resolves_dtype_auto_for_this_machine(tmp_path, monkeypatch, cpu, expected):
+    import torch
+    import eagle3lib.params as params
+    info, read_flags = write(tmp_path, CPUINFO[cpu], "cpuinfo"), params.cpu_flags
+    monkeypatch.setattr(params, "cpu_flags", lambda: read_flags(info))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    p = load_params(write(tmp_path, "target: {dtype: auto}\ntrain: {dtype: auto}\nextract: {dtype: bfloat16}"))
+    assert (p.target.dtype, p.train.dtype, p.extract.dtype) == (expected, expected, "bfloat16")
+    assert "dtype: auto" not in params.dump(p)     # reports, cache keys and subprocesses see the concrete dtype
