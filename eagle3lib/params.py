@@ -5,7 +5,8 @@ the profile's own folder) loads that profile first and overrides it key by key, 
 and `b300.yaml` only state what differs. Unknown keys, wrong types and impossible values raise
 `ParamsError` with the dotted key name (e.g. `train.lr`).
 
-This module is plain data: it imports nothing heavy, so `eagle3 params` answers at once.
+This module is plain data: it imports nothing heavy, so `eagle3 params` answers at once (a profile
+with dtype "auto" imports torch once, to ask whether a CUDA device is there).
 """
 from __future__ import annotations
 
@@ -383,7 +384,7 @@ def validate(p: Params) -> Params:
 # ---- dtype "auto" ---------------------------------------------------------------------------
 # bf16 is 3-4x faster than fp32 on a CPU that computes it natively (AVX512-BF16 / AMX: prefill
 # 3,400 vs 890 tok/s for SmolLM2) and 3-5x SLOWER on one that emulates it (AVX2 only: vLLM
-# regeneration 17 vs 91 tok/s, NOTES.md, seventh session). The same profile has to run on both.
+# regeneration ~18 vs 82 tok/s, NOTES.md, seventh session). The same profile has to run on both.
 NATIVE_BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}   # x86 AVX512-BF16 and AMX; Arm BF16
 
 
