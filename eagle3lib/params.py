@@ -383,7 +383,7 @@ def validate(p: Params) -> Params:
 
 # ---- dtype "auto" ---------------------------------------------------------------------------
 # bf16 is 3-4x faster than fp32 on a CPU that computes it natively (AVX512-BF16 / AMX: prefill
-# 3,400 vs 890 tok/s for SmolLM2) and 3-5x SLOWER on one that emulates it (AVX2 only: vLLM
+# 3,400 vs 890 tok/s for SmolLM2) and 4.5-15x SLOWER on one that emulates it (AVX2 only: vLLM
 # regeneration ~18 vs 82 tok/s, NOTES.md, seventh session). The same profile has to run on both.
 NATIVE_BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}   # x86 AVX512-BF16 and AMX; Arm BF16
 
