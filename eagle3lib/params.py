@@ -402,23 +402,28 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set:
     return flags
 
 
+def cpu_has_native_bf16(flags: Optional[set] = None) -> bool:
+    """Whether this CPU computes bf16 natively (a flag in NATIVE_BF16_CPU_FLAGS)."""
+    return bool((cpu_flags() if flags is None else flags) & NATIVE_BF16_CPU_FLAGS)
+
+
 def auto_dtype(flags: Optional[set] = None, cuda: Optional[bool] = None) -> str:
     """"bfloat16" where bf16 math is native (a CUDA device, or a CPU with a flag in
     NATIVE_BF16_CPU_FLAGS), else "float32"."""
     if cuda is None:
         import torch  # only when a profile asks for "auto"
         cuda = torch.cuda.is_available()
-    flags = cpu_flags() if flags is None else flags
-    return "bfloat16" if cuda or flags & NATIVE_BF16_CPU_FLAGS else "float32"
+    return "bfloat16" if cuda or cpu_has_native_bf16(flags) else "float32"
 
 
 def resolve_auto_dtypes(p: Params, flags: Optional[set] = None, cuda: Optional[bool] = None) -> Params:
     """Replace dtype "auto" (target.dtype, train.dtype) by the concrete dtype for this machine, so
     that cache keys, subprocess arguments and reports all see what really runs."""
-    for section in ("target", "train"):
-        sec = getattr(p, section)
-        if sec.dtype == "auto":
-            setattr(p, section, dataclasses.replace(sec, dtype=auto_dtype(flags, cuda)))
+    sections = [name for name in ("target", "train") if getattr(p, name).dtype == "auto"]
+    if sections:
+        dtype = auto_dtype(flags, cuda)
+        for name in sections:
+            setattr(p, name, dataclasses.replace(getattr(p, name), dtype=dtype))
     return p
 
 

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from .files import atomic_dir, atomic_write_json, read_json
 from .model import Eagle3Config, Eagle3Drafter
-from .params import Params
+from .params import Params, auto_dtype
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
 KEEP_CHECKPOINTS = 2
@@ -75,16 +75,21 @@ class TargetHead:
 
     TOPK_RECHECK = 8
 
-    def __init__(self, lm_head: torch.Tensor, d2t: torch.Tensor, chunk: int = 512):
+    def __init__(self, lm_head: torch.Tensor, d2t: torch.Tensor, chunk: int = 512,
+                 scan_dtype: Optional[torch.dtype] = None):
+        # The top-1 scan runs in bf16 where bf16 is native, else in fp32: emulated bf16 made the scan
+        # 6x slower than fp32 on an AVX2-only CPU (NOTES.md, seventh session). The fp32 re-check
+        # below makes the result exact either way.
+        scan_dtype = scan_dtype or getattr(torch, auto_dtype())
         self.full = lm_head.contiguous()                                      # [V, H] checkpoint dtype
-        self.full_bf16 = self.full.to(torch.bfloat16)                         # [V, H] for the top-1 scan
+        self.full_scan = self.full.to(scan_dtype)                             # [V, H] for the top-1 scan
         self.draft_ids = torch.arange(d2t.numel()) + d2t                      # [Dv] target ids
         self.draft = self.full[self.draft_ids].float().contiguous()           # [Dv, H]
         self.head_is_bf16 = bool(torch.equal(self.draft, self.draft.bfloat16().float()))
         self.chunk = chunk
 
     def to(self, device) -> "TargetHead":
-        for name in ("full", "full_bf16", "draft", "draft_ids"):
+        for name in ("full", "full_scan", "draft", "draft_ids"):
             setattr(self, name, getattr(self, name).to(device))
         return self
 
@@ -94,7 +99,7 @@ class TargetHead:
         draft rows, i.e. the full distribution restricted to the draft vocabulary and renormalised;
         top [N] = argmax target id over the FULL vocabulary).
 
-        The top-1 scans the full head in bf16 (fast), then re-scores the best TOPK_RECHECK
+        The top-1 scans the full head in bf16 where that is native (fast; else fp32), then re-scores the best TOPK_RECHECK
         candidates of every row exactly in fp32, so bf16 rounding of near-ties cannot flip it.
         exact_top1=False skips that scan (the most expensive part of a training step) and returns
         the argmax within the draft vocabulary instead: it differs only where the target's top-1
@@ -110,7 +115,7 @@ class TargetHead:
         tops = []
         for c in range(0, len(x), self.chunk):
             xc = x[c:c + self.chunk]                                          # [C, H]
-            approx = xc.to(torch.bfloat16) @ self.full_bf16.T                 # [C, V] bf16
+            approx = xc.to(self.full_scan.dtype) @ self.full_scan.T           # [C, V] scan dtype
             cand = approx.topk(self.TOPK_RECHECK, dim=-1).indices             # [C, K]
             exact = (self.full[cand].float() * xc[:, None, :]).sum(-1)        # [C, K] fp32
             tops.append(cand.gather(1, exact.argmax(-1, keepdim=True)).squeeze(1))

@@ -227,14 +227,15 @@ def test_feature_noise_perturbs_only_aux_reproducibly_and_scales_with_s():
     assert torch.equal(prepared["aux"], before)
 
 
-def test_target_labels_are_the_renormalised_draft_distribution_and_the_full_top1():
+@pytest.mark.parametrize("scan_dtype", [None, torch.bfloat16, torch.float32])   # None: this machine's
+def test_target_labels_are_the_renormalised_draft_distribution_and_the_full_top1(scan_dtype):
     from eagle3lib.train import TargetHead
     g = torch.Generator().manual_seed(0)
     V, H, Dv = 300, 16, 40
     head_w = torch.randn(V, H, generator=g)
     d2t = torch.arange(0, 2 * Dv, 2) - torch.arange(Dv)                       # draft i -> target 2i
     final = torch.randn(50, H, generator=g) * 3
-    head = TargetHead(head_w, d2t)
+    head = TargetHead(head_w, d2t, scan_dtype=scan_dtype)
     p, top = head.labels(final)
     full = torch.softmax(final @ head_w.T, dim=-1)                              # [N, V]
     want = full[:, 0:2 * Dv:2] / full[:, 0:2 * Dv:2].sum(-1, keepdim=True)
