@@ -360,7 +360,7 @@ def random_drafter(target_path, aux_layer_ids=None, draft_vocab_size: Optional[i
     target vocabulary; otherwise the lowest ids (a plumbing test, not a frequency vocabulary)."""
     from transformers import AutoConfig
     from .model import Eagle3Config, Eagle3Drafter
-    from .target import text_config
+    from .target import load_target_tensors, text_config
     cfg = text_config(AutoConfig.from_pretrained(str(target_path)))
     V, N = cfg.vocab_size, cfg.num_hidden_layers
     dv = V if draft_vocab_size is None else int(draft_vocab_size)
@@ -370,7 +370,8 @@ def random_drafter(target_path, aux_layer_ids=None, draft_vocab_size: Optional[i
     d2t = torch.zeros(dv, dtype=torch.long)          # target id = i + d2t[i] = i
     torch.manual_seed(seed)
     config = Eagle3Config.from_target_config(cfg, draft_vocab_size=dv, aux_layer_ids=aux, **choices)
-    return Eagle3Drafter.from_target(target_path, config, d2t, t2d, init_lm_head=True).to(dtype).eval()
+    w = load_target_tensors(target_path)
+    return Eagle3Drafter.from_target_weights(config, d2t, t2d, w["embed"], w["lm_head"]).to(dtype).eval()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,6 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .vocab import draft_to_target_ids
+
 ATTENTION_IMPLS = ("mask", "merge", "manual")
 
 
@@ -120,11 +122,6 @@ class DraftKVCache:
         """Keep the first n positions (drop rejected draft steps)."""
         if self.k is not None:
             self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
-
-    def clone(self) -> "DraftKVCache":
-        c = DraftKVCache()
-        c.k, c.v = self.k, self.v  # tensors are never modified in place
-        return c
 
 
 # ---- building blocks ----------------------------------------------------------------------
@@ -430,20 +427,18 @@ class Eagle3Drafter(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     @classmethod
-    def from_target(cls, target_path, config: Eagle3Config, d2t: torch.Tensor, t2d: torch.Tensor,
-                    init_lm_head: bool = True) -> "Eagle3Drafter":
-        """A fresh drafter with the target's frozen embedding (and, with init_lm_head, lm_head rows
-        of the draft tokens copied from the target's head)."""
-        from .target import load_target_tensors
-        model = cls(config)
-        t = load_target_tensors(target_path)
-        if tuple(t["embed"].shape) != (config.vocab_size, config.hidden_size):
-            raise ValueError(f"target embedding {tuple(t['embed'].shape)} does not match the config "
+    def from_target_weights(cls, config: Eagle3Config, d2t: torch.Tensor, t2d: torch.Tensor,
+                            embed: torch.Tensor, lm_head: Optional[torch.Tensor] = None) -> "Eagle3Drafter":
+        """A fresh drafter with the target's frozen embedding embed [V, H] and, when lm_head [V, H]
+        is given, the target's head rows of the draft tokens as its own head (target.py loads both
+        from a checkpoint: `load_target_tensors(path)`)."""
+        if tuple(embed.shape) != (config.vocab_size, config.hidden_size):
+            raise ValueError(f"target embedding {tuple(embed.shape)} does not match the config "
                              f"({config.vocab_size}, {config.hidden_size})")
+        model = cls(config)
         model.set_vocab(d2t, t2d)
         with torch.no_grad():
-            model.embed_tokens.weight.copy_(t["embed"].float())
-            if init_lm_head:
-                target_ids = torch.arange(config.draft_vocab_size) + model.d2t
-                model.lm_head.weight.copy_(t["lm_head"][target_ids].float())
+            model.embed_tokens.weight.copy_(embed.float())
+            if lm_head is not None:
+                model.lm_head.weight.copy_(lm_head[draft_to_target_ids(model.d2t)].float())
         return model

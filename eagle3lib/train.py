@@ -46,6 +46,8 @@ import torch.nn.functional as F
 from .files import atomic_dir, atomic_write_json, read_json
 from .model import Eagle3Config, Eagle3Drafter
 from .params import Params, auto_dtype
+from .target import load_target_tensors, target_path
+from .vocab import draft_to_target_ids
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
 KEEP_CHECKPOINTS = 2
@@ -83,7 +85,7 @@ class TargetHead:
         scan_dtype = scan_dtype or getattr(torch, auto_dtype())
         self.full = lm_head.contiguous()                                      # [V, H] checkpoint dtype
         self.full_scan = self.full.to(scan_dtype)                             # [V, H] for the top-1 scan
-        self.draft_ids = torch.arange(d2t.numel()) + d2t                      # [Dv] target ids
+        self.draft_ids = draft_to_target_ids(d2t)                              # [Dv] target ids
         self.draft = self.full[self.draft_ids].float().contiguous()           # [Dv, H]
         self.head_is_bf16 = bool(torch.equal(self.draft, self.draft.bfloat16().float()))
         self.chunk = chunk
@@ -684,7 +686,8 @@ def build_drafter(P: Params, target_dir: Path, hidden_size: int, aux_layers: lis
     if config.hidden_size != hidden_size:
         raise ValueError(f"hidden cache has H={hidden_size}, the target {target_dir} has H={config.hidden_size}")
     torch.manual_seed(P.seed)
-    drafter = Eagle3Drafter.from_target(target_dir, config, d2t, t2d, init_lm_head=t.init_lm_head)
+    w = load_target_tensors(target_dir)
+    drafter = Eagle3Drafter.from_target_weights(config, d2t, t2d, w["embed"], w["lm_head"] if t.init_lm_head else None)
     if t.init_from_layer is not None:
         hf_layers = (hf.get("text_config") or hf)["num_hidden_layers"]
         layer = t.init_from_layer % hf_layers
@@ -700,7 +703,6 @@ def train(P: Params, run_dir, progress: bool = True, callback: Optional[Callable
     callback(record) is called on rank 0 after every optimizer step with the step's record
     (step, lr, loss, per-step loss/acc, tokens/s, and `eval` when an eval ran at that step)."""
     from .extract import HiddenCache
-    from .target import load_target_tensors, target_path
     from .vocab import load_vocab
 
     t = P.train

@@ -10,7 +10,7 @@ from drafter_fit import fit_drafter, greedy_sequences
 from eagle3lib import decode
 from eagle3lib.decode import (DecodeStats, Eagle3Proposer, NgramProposer, Proposal, Proposer,
                               greedy_generate, random_drafter, speculative_generate, target_forward)
-from eagle3lib.target import load_target
+from eagle3lib.target import load_target, load_target_tensors
 
 MAX_NEW = 40
 # Token-id prompts with some repetition (so prompt lookup finds matches) and without.
@@ -68,7 +68,8 @@ def fitted(lively):
     d2t, t2d = _draft_vocab_from(seqs, target.config.vocab_size, 256)
     torch.manual_seed(0)
     cfg = Eagle3Config.from_target_config(target.config, draft_vocab_size=256, aux_layer_ids=[1, 3, 4])
-    drafter = Eagle3Drafter.from_target(path, cfg, d2t, t2d)
+    w = load_target_tensors(path)
+    drafter = Eagle3Drafter.from_target_weights(cfg, d2t, t2d, w["embed"], w["lm_head"])
     losses = fit_drafter(target, drafter, seqs, steps=60, lr=5e-3)
     assert losses[-1] < 0.5 * losses[0], f"the fit did not learn: {losses[0]:.3f} -> {losses[-1]:.3f}"
     return drafter

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from eagle3lib.model import ATTENTION_IMPLS, DraftKVCache, Eagle3Config, Eagle3Drafter
+from eagle3lib.target import load_target_tensors
 
 
 def small_config(seed: int, norm_before_residual: bool, **kw) -> Eagle3Config:
@@ -158,7 +159,8 @@ def test_from_target_copies_embedding_and_head_rows(tiny_target_dir):
     target_ids = torch.arange(0, 5 * Dv, 5)
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[target_ids] = True
-    model = Eagle3Drafter.from_target(tiny_target_dir, cfg, target_ids - torch.arange(Dv), t2d)
+    w = load_target_tensors(tiny_target_dir)
+    model = Eagle3Drafter.from_target_weights(cfg, target_ids - torch.arange(Dv), t2d, w["embed"], w["lm_head"])
     t = load_target_tensors(tiny_target_dir)
     assert torch.equal(model.embed_tokens.weight, t["embed"].float())
     assert torch.equal(model.lm_head.weight, t["lm_head"][target_ids].float())

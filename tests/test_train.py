@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from eagle3lib.extract import file_sha256
 from eagle3lib.model import Eagle3Config
 from eagle3lib.params import load_params
+from eagle3lib.target import load_target_tensors
 from eagle3lib.train import (acceptance_estimate, aux_scale, bucket_batches, fold_aux_scale, init_from_target_layer,
                              replay_chain,
                              lr_factor, torchrun_command, train)
@@ -305,13 +306,14 @@ def test_init_from_target_layer_reproduces_that_target_layer(tiny_target_dir):
     d2t, t2d = torch.zeros(64, dtype=torch.long), torch.zeros(V, dtype=torch.bool)
     t2d[:64] = True
     cfg = Eagle3Config.from_target_config(hf, 64, aux_layers, norm_before_residual=False)
+    w = load_target_tensors(tiny_target_dir)
     ids = torch.randint(0, 300, (1, 23), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         hs = target(ids, output_hidden_states=True).hidden_states
         aux = torch.stack([hs[k][0] for k in aux_layers], dim=1)[None]             # [1, T, 3, H]
         for scale in (None, aux_scale(_ListCache([{"aux": aux[0]}]))):
             torch.manual_seed(0)
-            d = Eagle3Drafter.from_target(tiny_target_dir, cfg, d2t, t2d)
+            d = Eagle3Drafter.from_target_weights(cfg, d2t, t2d, w["embed"], w["lm_head"])
             init_from_target_layer(d, tiny_target_dir, L, scale)
             H = cfg.hidden_size
             for name in ("q_proj", "k_proj", "v_proj"):
@@ -410,7 +412,6 @@ def test_two_process_training_matches_single_process_with_the_same_global_batch(
 
 
 def test_design_choices_are_wired_and_the_time_budget_stops_cleanly(tmp_path, sharp_target_dir):
-    from eagle3lib.target import load_target_tensors
     from eagle3lib.vocab import load_vocab
     choices = {"norm_before_residual": False, "norm_before_fc": True, "fc_input_scaling": False,
                "next_step_hidden": "post_norm",

@@ -1,0 +1,74 @@
+"""torchrun plumbing shared by extraction and training: which process am I, how many are we, and
+which device is mine. A single process (rank 0 of 1) when not launched by torchrun.
+
+    dist = Dist()                       # joins torchrun's process group when launched by it
+    device = dist.device("auto")        # cuda:<LOCAL_RANK> or cpu
+    ... dist.barrier(); dist.all_sum(x); dist.broadcast_flag(flag) ...
+    dist.close()                        # only destroys the group it created
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as td
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+class Dist:
+    """rank / world and the few collectives the stages need.
+
+    backend: None picks nccl on a CUDA machine and gloo otherwise (training reduces tensors on its
+    device); extraction passes "gloo" (it only needs barriers). A process group that already exists
+    is joined as it is and left open by close()."""
+
+    def __init__(self, backend: Optional[str] = None):
+        self.created = False
+        if launched_by_torchrun() and td.is_available() and not td.is_initialized():
+            td.init_process_group(backend=backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+            self.created = True
+        joined = td.is_available() and td.is_initialized()
+        self.rank = td.get_rank() if joined else 0
+        self.world = td.get_world_size() if joined else 1
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+
+    def device(self, want: str = "auto") -> torch.device:
+        """auto: this rank's GPU when torch sees one, else the CPU. cuda: this rank's GPU (a clear
+        error when there is none). The chosen GPU becomes the current one."""
+        if want == "auto":
+            want = "cuda" if torch.cuda.is_available() else "cpu"
+        if want.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"device {want!r} requested but torch sees no GPU; use cpu or auto")
+            device = torch.device(f"cuda:{self.local_rank % torch.cuda.device_count()}")
+            torch.cuda.set_device(device)
+            return device
+        return torch.device(want)
+
+    def all_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of x over ranks (a new tensor; x itself on one rank)."""
+        if self.world > 1:
+            x = x.clone()
+            td.all_reduce(x)
+        return x
+
+    def broadcast_flag(self, flag: bool) -> bool:
+        """Rank 0's flag on every rank (so that all ranks leave a loop at the same step)."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0])
+        td.broadcast(t, src=0)
+        return bool(t.item())
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            td.barrier()
+
+    def close(self) -> None:
+        if self.created:
+            td.destroy_process_group()
+            self.created = False

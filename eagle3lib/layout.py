@@ -1,0 +1,96 @@
+"""The run folder: every path under outputs/<run>/ is named here and nowhere else.
+
+    L = RunLayout(run_dir)                 # or P.layout(run_name)
+    L.stats, L.vocab, L.hidden("train"), L.checkpoints, L.final, L.metrics, L.notebook("04_train")
+
+outputs/<run>/
+    data/            train/ eval/ (datasets.save_to_disk), eval_prompts.jsonl, vocab.safetensors,
+                     stats.json (written last: the data stage's "done" marker), regen/<key>/chunk-*.jsonl
+    hidden/<split>/  shard-*.bin + manifest.json (cache.py)
+    train/           checkpoints/step-*/, final/ (config.json + model.safetensors), summary.json,
+                     history.json, tensorboard/
+    export/          the vLLM export of final/
+    eval/<name>/     vLLM benchmark work folders (vllm_ngram, vllm)
+    metrics.json     headline numbers, one section per stage
+    NN_stage.ipynb   executed notebooks, with an .html beside each
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    root: Path
+
+    def __init__(self, root: str | os.PathLike):
+        object.__setattr__(self, "root", Path(root))
+
+    # ---- data stage (02) ----
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    def data_split(self, split: str) -> Path:
+        return self.data / split
+
+    @property
+    def eval_prompts(self) -> Path:
+        return self.data / "eval_prompts.jsonl"
+
+    @property
+    def vocab(self) -> Path:
+        return self.data / "vocab.safetensors"
+
+    @property
+    def stats(self) -> Path:
+        return self.data / "stats.json"
+
+    def regen(self, key: str) -> Path:
+        return self.data / "regen" / key
+
+    # ---- extraction stage (03) ----
+    def hidden(self, split: str) -> Path:
+        return self.root / "hidden" / split
+
+    # ---- training stage (04) ----
+    @property
+    def train(self) -> Path:
+        return self.root / "train"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.train / "checkpoints"
+
+    @property
+    def final(self) -> Path:
+        return self.train / "final"
+
+    @property
+    def summary(self) -> Path:
+        return self.train / "summary.json"
+
+    @property
+    def history(self) -> Path:
+        return self.train / "history.json"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.train / "tensorboard"
+
+    # ---- evaluation stage (05) and reports ----
+    @property
+    def export(self) -> Path:
+        return self.root / "export"
+
+    def eval_work(self, name: str) -> Path:
+        return self.root / "eval" / name
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.json"
+
+    def notebook(self, stem: str) -> Path:
+        return self.root / f"{stem}.ipynb"
