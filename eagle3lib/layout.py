@@ -11,7 +11,9 @@ outputs/<run>/
                      history.json, tensorboard/
     export/          the vLLM export of final/
     eval/<name>/     vLLM benchmark work folders (vllm_ngram, vllm)
-    metrics.json     headline numbers, one section per stage
+    metrics.json     headline numbers, one section per stage (`runner`: stage times, commit, machine)
+    params.yaml      the resolved profile of the last `eagle3 run`
+    index.html/.md   the run's one-page report (report.py)
     NN_stage.ipynb   executed notebooks, with an .html beside each
 """
 from __future__ import annotations
@@ -94,3 +96,16 @@ class RunLayout:
 
     def notebook(self, stem: str) -> Path:
         return self.root / f"{stem}.ipynb"
+
+    @property
+    def params(self) -> Path:
+        """The resolved profile the runner executed the notebooks with."""
+        return self.root / "params.yaml"
+
+    @property
+    def index_html(self) -> Path:
+        return self.root / "index.html"
+
+    @property
+    def index_md(self) -> Path:
+        return self.root / "index.md"

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from eagle3lib.export import (LAYOUTS, VllmExportError, config_from_export, export_layout, export_vllm,
                               load_drafter, load_export, vllm_incompatibilities)
 from eagle3lib.model import Eagle3Config, Eagle3Drafter
+from eagle3lib.target import load_target_tensors
 
 CHOICES = [dict(norm_before_residual=True),
            dict(norm_before_residual=False, norm_before_fc=True),
@@ -33,7 +34,8 @@ def make_drafter(target_dir, draft_vocab_size, seed=0, **choices) -> Eagle3Draft
     cfg = Eagle3Config.from_target_config(tcfg, draft_vocab_size=draft_vocab_size,
                                           aux_layer_ids=[1, 3, 4], **choices)
     torch.manual_seed(seed)
-    model = Eagle3Drafter.from_target(target_dir, cfg, d2t, t2d)
+    w = load_target_tensors(target_dir)
+    model = Eagle3Drafter.from_target_weights(cfg, d2t, t2d, w["embed"], w["lm_head"])
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name != "embed_tokens.weight":
