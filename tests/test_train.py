@@ -16,13 +16,13 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from eagle3lib.batches import aux_scale, bucket_batches, fold_aux_scale
 from eagle3lib.extract import file_sha256
 from eagle3lib.model import Eagle3Config
+from eagle3lib.objective import acceptance_estimate, replay_chain
 from eagle3lib.params import load_params
 from eagle3lib.target import load_target_tensors
-from eagle3lib.train import (acceptance_estimate, aux_scale, bucket_batches, fold_aux_scale, init_from_target_layer,
-                             replay_chain,
-                             lr_factor, torchrun_command, train)
+from eagle3lib.train import init_from_target_layer, lr_factor, torchrun_command, train
 from eagle3lib.vocab import build_draft_vocab, count_assistant_tokens, save_vocab
 
 TOKENS = 300          # the synthetic chats use token ids below this
@@ -186,7 +186,8 @@ def test_replay_chain_follows_the_decoding_rounds():
 
 
 def test_label_positions_all_labels_every_token_with_a_successor():
-    from eagle3lib.train import TargetHead, collate, prepare_batch
+    from eagle3lib.batches import collate
+    from eagle3lib.objective import TargetHead, prepare_batch
     g = torch.Generator().manual_seed(3)
     V, H = 32, 8
     items = []
@@ -208,7 +209,7 @@ def test_label_positions_all_labels_every_token_with_a_successor():
 
 
 def test_feature_noise_perturbs_only_aux_reproducibly_and_scales_with_s():
-    from eagle3lib.train import add_feature_noise
+    from eagle3lib.objective import add_feature_noise
     g = torch.Generator().manual_seed(5)
     prepared = {"aux": torch.randn(2, 7, 3, 4, generator=g), "input_ids": torch.randint(9, (2, 7), generator=g),
                 "target_p": torch.rand(5, 6, generator=g)}
@@ -230,7 +231,7 @@ def test_feature_noise_perturbs_only_aux_reproducibly_and_scales_with_s():
 
 @pytest.mark.parametrize("scan_dtype", [None, torch.bfloat16, torch.float32])   # None: this machine's
 def test_target_labels_are_the_renormalised_draft_distribution_and_the_full_top1(scan_dtype):
-    from eagle3lib.train import TargetHead
+    from eagle3lib.objective import TargetHead
     g = torch.Generator().manual_seed(0)
     V, H, Dv = 300, 16, 40
     head_w = torch.randn(V, H, generator=g)
