@@ -3,7 +3,7 @@
 For a run's trained drafter (outputs/<run>/train/final/) on the held-out hidden-state cache:
   - the product estimate 1 + sum_j prod_{i<=j} acc_j over all assistant positions (what 04_train
     reports as "estimated acceptance length");
-  - chain decoding replayed on each sequence's first answer (train.replay_chain), over the whole
+  - chain decoding replayed on each sequence's first answer (objective.replay_chain), over the whole
     answer and over its first --max-answer-tokens tokens (05_eval decodes eval.max_new_tokens);
   - step-0 accuracy by position in the first answer (buckets of 32 tokens).
 
@@ -14,7 +14,6 @@ Appends one row to outputs/bench/heldout_acceptance.jsonl.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -24,7 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eagle3lib.export import load_drafter  # noqa: E402
+from eagle3lib.extract import HiddenCache  # noqa: E402
+from eagle3lib.objective import acceptance_estimate, build_scoring, replay_chain  # noqa: E402
 from eagle3lib.params import load_params  # noqa: E402
+from eagle3lib.target import target_path  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -38,28 +41,15 @@ def main(argv=None) -> int:
                     help="cache split; 'train' measures the generalisation gap on seen sequences")
     args = ap.parse_args(argv)
 
-    from eagle3lib.export import load_drafter
-    from eagle3lib.extract import HiddenCache
-    from eagle3lib.target import load_target_tensors, target_path
-    from eagle3lib.train import (TargetHead, TTTObjective, acceptance_estimate, heldout_batches,
-                                 replay_chain)
-    from eagle3lib.vocab import load_vocab
-
     P = load_params(args.params)
-    run_dir = P.run_dir(args.run)
+    layout = P.layout(args.run)
     k = args.k or P.eval.k
     max_answer = args.max_answer_tokens or P.eval.max_new_tokens
-    final = run_dir / "train" / "final"
-    tdir = target_path(P)
-    drafter = load_drafter(final, tdir).eval()                       # fc folded: reads raw aux
+    drafter = load_drafter(layout.final, target_path(P)).eval()        # fc folded: reads raw aux
     J = max(k, P.train.ttt_steps)                                    # steps to unroll (>= k)
-    d2t, _ = load_vocab(run_dir / "data" / "vocab.safetensors")
-    head = TargetHead(load_target_tensors(tdir, ("lm_head",))["lm_head"], d2t)
-    cache = HiddenCache(run_dir / "hidden" / args.split)
-    batches = heldout_batches(cache, args.sequences, head, J, P.train.batch_tokens, "cpu")
-    objective = TTTObjective(drafter, J, P.train.decay)
-    amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if P.train.dtype == "bfloat16" \
-        else contextlib.nullcontext
+    scoring = build_scoring(P, layout, drafter, "cpu", ttt_steps=J)  # the trainer's head, objective, autocast
+    batches = scoring.heldout(HiddenCache(layout.hidden(args.split)), args.sequences, P.train.batch_tokens, "cpu")
+    objective, amp = scoring.objective, scoring.amp
 
     t0 = time.time()
     stats = torch.zeros(J, 3, dtype=torch.float64)
@@ -90,7 +80,7 @@ def main(argv=None) -> int:
                     hits[1] += 1
     n = stats[:, 2].clamp(min=1)
     acc = (stats[:, 1] / n).tolist()
-    row = {"run": str(run_dir), "split": args.split, "k": k, "ttt_steps": J, "sequences": sequences,
+    row = {"run": str(layout.root), "split": args.split, "k": k, "ttt_steps": J, "sequences": sequences,
            "step_acc_all_positions": [round(a, 4) for a in acc],
            "product_estimate": round(acceptance_estimate(acc[:k]), 4),
            "replayed_whole_first_answer": round(1 + whole[1] / max(1, whole[0]), 4), "rounds_whole": whole[0],

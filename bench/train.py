@@ -25,19 +25,21 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eagle3lib.dist import Dist  # noqa: E402
+from eagle3lib.model import Eagle3Config, Eagle3Drafter  # noqa: E402
+from eagle3lib.objective import TargetHead, TTTObjective, autocast_for, prepare_batch  # noqa: E402
+from eagle3lib.params import TrainParams  # noqa: E402
+from eagle3lib.train import make_optimizers_for, optimizer_step  # noqa: E402
+
 DEFAULT_VARIANTS = ["fp32-mask", "fp32-merge", "fp32-manual", "bf16-mask", "bf16-merge", "bf16-manual",
                     "fp32-manual-compile", "bf16-manual-compile"]
 
 
 def one_variant(name: str, steps: int, warmup: int, seq: int, batch_tokens: int, ttt_steps: int) -> dict:
-    import contextlib
-
-    import torch
-
-    from eagle3lib.model import Eagle3Config, Eagle3Drafter
-    from eagle3lib.params import TrainParams
-    from eagle3lib.train import Dist, TargetHead, TTTObjective, make_optimizers_for, optimizer_step, prepare_batch
-
     parts = name.split("-")
     dtype, impl, compiled = parts[0], parts[1], "compile" in parts
     H, V, Dv = 576, 49152, 8192
@@ -56,8 +58,8 @@ def one_variant(name: str, steps: int, warmup: int, seq: int, batch_tokens: int,
     objective = TTTObjective(drafter, ttt_steps, 0.8, compile=compiled)   # as train.compile does
     t = TrainParams(ttt_steps=ttt_steps, batch_tokens=batch_tokens, dtype="bfloat16" if dtype == "bf16" else "float32")
     optimizers = make_optimizers_for(objective, t)
-    amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if dtype == "bf16" else contextlib.nullcontext
-    dist = Dist("none")
+    amp = autocast_for(t.dtype, "cpu")                                    # as the trainer's
+    dist = Dist()                                                         # one process: rank 0 of 1
 
     B = max(1, batch_tokens // seq)
     def batch():
@@ -105,7 +107,6 @@ def main():
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.one:
-        import torch
         if a.threads:
             torch.set_num_threads(a.threads)
         print("RESULT " + json.dumps(one_variant(a.one, a.steps, a.warmup, a.seq, a.batch_tokens, a.ttt_steps)))

@@ -28,6 +28,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3lib.params import load_params  # noqa: E402
+from eagle3lib.train import train  # noqa: E402
 
 
 def parse_variant(text: str) -> tuple:
@@ -48,13 +49,11 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default="/tmp/eagle3lab-sweep")
     args = ap.parse_args(argv)
 
-    from eagle3lib.train import train
-
     P = load_params(args.params)
-    src = P.run_dir(args.run)
-    for need in ("hidden/train/manifest.json", "hidden/eval/manifest.json", "data/vocab.safetensors"):
-        if not (src / need).is_file():
-            raise SystemExit(f"{src / need} is missing: run the pipeline up to extract first")
+    src = P.layout(args.run)
+    for need in (src.hidden("train") / "manifest.json", src.hidden("eval") / "manifest.json", src.vocab):
+        if not need.is_file():
+            raise SystemExit(f"{need} is missing: run the pipeline up to extract first")
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     models = work / "models"
@@ -69,15 +68,15 @@ def main(argv=None) -> int:
         if "max_steps" not in changes:
             t = replace(t, max_steps=max(1, math.ceil(args.tokens / t.batch_tokens)))
         Q = replace(P, output_dir=str(work), run_name=name, train=t)
-        run_dir = Q.run_dir()
-        if run_dir.exists():
-            shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True)
-        (run_dir / "hidden").symlink_to(src / "hidden")
-        (run_dir / "data").symlink_to(src / "data")
+        run = Q.layout()
+        if run.root.exists():
+            shutil.rmtree(run.root)
+        run.root.mkdir(parents=True)
+        run.hidden("train").parent.symlink_to(src.hidden("train").parent)
+        run.data.symlink_to(src.data)
         t0 = time.time()
-        summary = train(Q, run_dir, progress=True)
-        history = json.loads((run_dir / "train" / "history.json").read_text())
+        summary = train(Q, run.root, progress=True)
+        history = json.loads(run.history.read_text())
         curve = [[r["step"], round(r["eval"]["acceptance_estimate"], 4), round(r["eval"]["acceptance_replayed"], 4)]
                  for r in history if "eval" in r]   # [step, estimate, replayed]
         row = {"variant": name, "changes": changes, "tokens_budget": args.tokens, "steps": summary["steps"],

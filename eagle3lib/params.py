@@ -121,6 +121,15 @@ class TrainParams:
     tracking: str = "none"               # none | tensorboard
     distributed: str = "none"            # none | ddp | fsdp
     nproc: int = 1
+    # Divergence guard (train.DivergenceGuard): stop with an error after diverge_steps consecutive
+    # steps whose soft CE is log(draft vocab) within diverge_uniform_rtol on every TTT step (uniform
+    # output), or whose loss is above diverge_loss_rise x its running minimum, or whose gradient norm
+    # is <= diverge_grad_norm. 0 steps: off. A learning run meets none of them (it passes the uniform
+    # level at most on single steps; ci and the tests' runs: NOTES.md).
+    diverge_steps: int = 5
+    diverge_uniform_rtol: float = 1e-3
+    diverge_loss_rise: float = 4.0
+    diverge_grad_norm: float = 1e-8
 
 
 @dataclass
@@ -342,6 +351,10 @@ def validate(p: Params) -> Params:
     need(t.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
     need(t.nproc >= 1, "train.nproc", "must be >= 1")
     need(t.eval_sequences >= 1, "train.eval_sequences", "must be >= 1")
+    need(t.diverge_steps >= 0, "train.diverge_steps", "must be >= 0 (0: no divergence guard)")
+    need(0 < t.diverge_uniform_rtol < 1, "train.diverge_uniform_rtol", "must be in (0, 1)")
+    need(t.diverge_loss_rise > 1, "train.diverge_loss_rise", "must be > 1")
+    need(t.diverge_grad_norm >= 0, "train.diverge_grad_norm", "must be >= 0")
     need(0 <= t.feature_noise <= 10, "train.feature_noise", "must be in [0, 10] (std in units of the aux scale)")
     need(not (t.fc_input_scaling and t.norm_before_fc), "train.fc_input_scaling",
          "cannot be folded into fc behind an RMSNorm: set it false when train.norm_before_fc is true")

@@ -2,390 +2,72 @@
 
     summary = train(P, run_dir)        # reads <run>/hidden/{train,eval}, <run>/data/vocab.safetensors
 
+What is learned and how it is scored (soft labels, the TTT loss, held-out evaluation) is
+objective.py; feeding the batches (bucketing, padding, aux scaling) is batches.py. This module is
+the loop around them: setup (data, drafter, optimizers, resume) -> loop (one optimizer step per
+global batch, checkpoints, held-out evaluation, the divergence guard) -> finish (final drafter and
+summary).
+
 Per optimizer step: length-bucketed micro-batches (padded, up to train.batch_tokens tokens) from
 the memory-mapped HiddenCache; the drafter unrolls ttt_steps steps in parallel
-(Eagle3Drafter.ttt_hidden); the loss is the soft cross-entropy against the target's own
-next-token distribution restricted to the draft vocabulary, computed on the fly from the cached
-final state and the target's lm_head rows. Step j's loss is weighted decay**j.
-
-Indices: step j at position t predicts token x_{t+2+j}; its soft label is the target's
-distribution at u = t+1+j (the target at u predicts x_{u+1}). A (t, j) pair counts when the
-predicted token x_{t+2+j} exists and is an assistant token (loss_mask[t+2+j]); padding has
-loss_mask 0. Accuracy: argmax q mapped to target ids == argmax of the full target logits at u.
+(Eagle3Drafter.ttt_hidden); lr: linear warmup, then cosine to min_lr_ratio.
 
 Checkpoints (safetensors: model + flattened optimizer state; JSON metadata: step, schedule, data
-position, RNG) are written atomically (temp folder, then rename); `train.resume` continues from
-the newest one and reaches the same weights as an uninterrupted run (the data order is a pure
-function of seed, epoch and step). Under torchrun, `train.distributed` ddp / fsdp give every rank a
-disjoint slice of each global batch; losses are normalised by global counts, so N ranks x 1
-micro-batch compute the same update as 1 rank x N micro-batches.
+position, RNG, the training identity) are written atomically (temp folder, then rename);
+`train.resume` continues from the newest one and reaches the same weights as an uninterrupted run
+(the data order is a pure function of seed, epoch and step). A checkpoint is resumed only under
+the same training identity: the params that change the math and the fingerprint of the
+hidden-state cache (its manifests, which hold every shard's sha256). Under torchrun,
+`train.distributed` ddp / fsdp give every rank a disjoint slice of each global batch; losses are
+normalised by global counts, so N ranks x 1 micro-batch compute the same update as 1 rank x N
+micro-batches.
 
-Speed on the 2-core CPU (bench/train.py, SmolLM2 shapes, 256-token sequences, 7 TTT steps):
-fp32 GEMM goes through MKL's slow path on this AMD CPU (~33 GFLOP/s per core vs ~140-230 for
-bf16 through oneDNN), so `train.dtype: bfloat16` (autocast, fp32 master weights) is 2.5-4x faster
-than float32; the "manual" TTT attention is the fastest formulation. When other processes share
-the cores, run with OMP_WAIT_POLICY=PASSIVE (or 1 thread): OpenMP's spin-waiting made 2 threads
-2.5x slower than 1.
+Speed on CPU (bench/train.py): `train.dtype: bfloat16` (autocast, fp32 master weights) is faster
+than float32 only where the CPU computes bf16 natively (AVX512-BF16 / AMX); on an AVX2-only CPU bf16
+is emulated and 4.5-15x slower, so `dtype: auto` picks float32 there (NOTES.md, seventh session).
+When other processes share the cores, run with OMP_WAIT_POLICY=PASSIVE (OpenMP's spin-waiting
+slows shared cores down).
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
+import hashlib
 import json
 import math
 import os
 import shutil
+import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+from tqdm.auto import tqdm
 
+from .batches import aux_scale, bucket_batches, collate, fold_aux_scale
+from .dist import Dist
+from .extract import HiddenCache
 from .files import atomic_dir, atomic_write_json, read_json
+from .layout import RunLayout
 from .model import Eagle3Config, Eagle3Drafter
-from .params import Params, auto_dtype
-from .target import load_target_tensors, target_path
-from .vocab import draft_to_target_ids
+from .objective import Scoring, TTTObjective, add_feature_noise, build_scoring, evaluate, prepare_batch
+from .params import Params, TrainParams, load_params
+from .target import load_target_layer, load_target_tensors, target_path
+from .vocab import load_vocab
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
 KEEP_CHECKPOINTS = 2
-
-
-# ==== target distribution and loss ===========================================================
-@contextlib.contextmanager
-def _bf16_inputs_fp32_matmul(enabled: bool):
-    """Let oneDNN run fp32 matmuls on bf16 inputs with fp32 accumulation and output. Exact (up
-    to summation order) when both operands hold bf16 values, and ~2x faster than MKL's fp32
-    GEMM on this CPU. No-op when disabled or unavailable."""
-    mk = getattr(torch.backends.mkldnn, "matmul", None)
-    if not enabled or mk is None or not hasattr(mk, "fp32_precision"):
-        yield
-        return
-    old = mk.fp32_precision
-    mk.fp32_precision = "bf16"
-    try:
-        yield
-    finally:
-        mk.fp32_precision = old
-
-
-class TargetHead:
-    """The target's lm_head as the loss needs it: draft-vocab rows (soft labels) and the full
-    head (top-1 for accuracy). lm_head [V, H] in the checkpoint's dtype, d2t [Dv]."""
-
-    TOPK_RECHECK = 8
-
-    def __init__(self, lm_head: torch.Tensor, d2t: torch.Tensor, chunk: int = 512,
-                 scan_dtype: Optional[torch.dtype] = None):
-        # The top-1 scan runs in bf16 where bf16 is native, else in fp32: emulated bf16 made the scan
-        # 6x slower than fp32 on an AVX2-only CPU (NOTES.md, seventh session). The fp32 re-check
-        # below makes the result exact either way.
-        scan_dtype = scan_dtype or getattr(torch, auto_dtype())
-        self.full = lm_head.contiguous()                                      # [V, H] checkpoint dtype
-        self.full_scan = self.full.to(scan_dtype)                             # [V, H] for the top-1 scan
-        self.draft_ids = draft_to_target_ids(d2t)                              # [Dv] target ids
-        self.draft = self.full[self.draft_ids].float().contiguous()           # [Dv, H]
-        self.head_is_bf16 = bool(torch.equal(self.draft, self.draft.bfloat16().float()))
-        self.chunk = chunk
-
-    def to(self, device) -> "TargetHead":
-        for name in ("full", "full_scan", "draft", "draft_ids"):
-            setattr(self, name, getattr(self, name).to(device))
-        return self
-
-    @torch.no_grad()
-    def labels(self, final: torch.Tensor, exact_top1: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """final [N, H] (after the target's final norm) -> (p [N, Dv] fp32 = softmax over the
-        draft rows, i.e. the full distribution restricted to the draft vocabulary and renormalised;
-        top [N] = argmax target id over the FULL vocabulary).
-
-        The top-1 scans the full head in bf16 where that is native (fast; else fp32), then re-scores the best TOPK_RECHECK
-        candidates of every row exactly in fp32, so bf16 rounding of near-ties cannot flip it.
-        exact_top1=False skips that scan (the most expensive part of a training step) and returns
-        the argmax within the draft vocabulary instead: it differs only where the target's top-1
-        lies outside the draft vocabulary (0.4% of train tokens on the local profile). Training
-        steps use it for their logged accuracy; held-out evaluation always uses the exact top-1."""
-        final = final.to(self.full.device)
-        exact_inputs = self.head_is_bf16 and final.dtype == torch.bfloat16
-        x = final.float()                                                     # [N, H]
-        with _bf16_inputs_fp32_matmul(exact_inputs and x.device.type == "cpu"):
-            p = torch.softmax(x @ self.draft.T, dim=-1)                       # [N, Dv]
-        if not exact_top1:
-            return p, self.draft_ids[p.argmax(-1)]
-        tops = []
-        for c in range(0, len(x), self.chunk):
-            xc = x[c:c + self.chunk]                                          # [C, H]
-            approx = xc.to(self.full_scan.dtype) @ self.full_scan.T           # [C, V] scan dtype
-            cand = approx.topk(self.TOPK_RECHECK, dim=-1).indices             # [C, K]
-            exact = (self.full[cand].float() * xc[:, None, :]).sum(-1)        # [C, K] fp32
-            tops.append(cand.gather(1, exact.argmax(-1, keepdim=True)).squeeze(1))
-        top = torch.cat(tops) if tops else torch.zeros(0, dtype=torch.long, device=x.device)
-        return p, top
-
-
-class LinearSoftCrossEntropy(torch.autograd.Function):
-    """lm_head + soft cross-entropy in one autograd node.
-
-    forward(rows [N, H], weight [Dv, H], p [M, Dv], p_index [N]) -> (loss_sum, argmax [N]):
-        z = rows @ weight.T;  loss_sum = sum_n (logsumexp(z_n) - sum_v p[p_index[n], v] z_n,v)
-    (= -sum_v p log softmax(z), as sum_v p = 1). The softmax runs in fp32 over row chunks that
-    stay in cache; only dz = softmax(z) - p is kept for backward (in the logits' dtype: bf16
-    under autocast), not z, log q and the gathered p.
-    """
-
-    CHUNK = 256
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, p: torch.Tensor, p_index: torch.Tensor):
-        logits = rows @ weight.T                                                  # [N, Dv] (bf16 under autocast)
-        dz = torch.empty_like(logits)
-        loss = logits.new_zeros((), dtype=torch.float32)
-        preds = []
-        for a in range(0, logits.shape[0], LinearSoftCrossEntropy.CHUNK):
-            z = logits[a:a + LinearSoftCrossEntropy.CHUNK].float()               # [C, Dv]
-            pc = p[p_index[a:a + LinearSoftCrossEntropy.CHUNK]]                   # [C, Dv]
-            m, best = z.max(-1, keepdim=True)                                     # [C, 1]
-            preds.append(best.squeeze(-1))
-            dot = torch.linalg.vecdot(pc, z)                                      # [C] sum_v p z
-            z.sub_(m).exp_()
-            total = z.sum(-1, keepdim=True)
-            loss = loss + ((m + total.log()).squeeze(-1) - dot).sum()             # lse - sum p z
-            dz[a:a + LinearSoftCrossEntropy.CHUNK] = z.div_(total).sub_(pc)      # softmax - p
-        ctx.save_for_backward(rows, weight, dz)
-        pred = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long, device=rows.device)
-        ctx.mark_non_differentiable(pred)
-        return loss, pred
-
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor, _grad_pred):
-        rows, weight, dz = ctx.saved_tensors
-        g = dz * grad_loss.to(dz.dtype)                                           # [N, Dv]
-        grad_rows = (g @ weight.to(g.dtype)).to(rows.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = (g.T @ rows.to(g.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_rows, grad_w, None, None
-
-
-def target_positions(loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """loss_mask [B, T] bool (False on padding) -> (b, u) [N] indices of the positions u whose
-    target distribution is a label: the token u+1 exists and is an assistant token."""
-    has_label = F.pad(loss_mask[:, 1:], (0, 1), value=False)                   # [B, T]: mask[u+1]
-    return has_label.nonzero(as_tuple=True)
-
-
-def step_counts(tgt_u: torch.Tensor, ttt_steps: int) -> torch.Tensor:
-    """Number of counted (t, j) pairs per step: label position u needs t = u-1-j >= 0. [J] float."""
-    return torch.stack([(tgt_u >= 1 + j).sum() for j in range(ttt_steps)]).double()
-
-
-def ttt_loss(states: list, lm_head: nn.Module, d2t: torch.Tensor, batch: dict, denominators: torch.Tensor,
-             decay: float, flags: bool = False) -> tuple:
-    """Weighted TTT loss over the counted (t, j) pairs only.
-
-    states: per step j, the drafter's final-normed states [B, T, H] (Eagle3Drafter.ttt_hidden).
-    batch: tgt_b, tgt_u [N] (label positions), target_p [N, Dv], target_top [N].
-    denominators [J]: what step j's summed loss is divided by (global over micro-batches/ranks).
-    Returns (loss = sum_j decay**j * sum_loss_j / denominators[j], stats [J, 3] = per step
-    (summed loss, correct top-1, count), detached). Uncounted positions are never gathered, so
-    they add exactly zero to the loss and get exactly zero gradient.
-    flags=True adds a third output, correct [N, J] bool: step j drafted from anchor t = u-1-j
-    predicted label u's top-1 (False where that anchor does not exist); see replay_chain.
-    """
-    b, u = batch["tgt_b"], batch["tgt_u"]
-    weight = lm_head.weight                                                    # [Dv, H]
-    device_type = weight.device.type
-    if torch.is_autocast_enabled(device_type):   # cast once for all steps (and once back in backward)
-        weight = weight.to(torch.get_autocast_dtype(device_type))
-    total = states[0].new_zeros((), dtype=torch.float32)
-    stats = []
-    correct_flags = torch.zeros(len(u), len(states), dtype=torch.bool, device=u.device)    # [N, J]
-    for j, s in enumerate(states):
-        keep = (u >= 1 + j).nonzero().squeeze(-1)                              # t = u-1-j exists
-        rows = s[b[keep], u[keep] - 1 - j]                                     # [N_j, H]
-        loss_sum, pred = LinearSoftCrossEntropy.apply(rows, weight, batch["target_p"], keep)
-        total = total + (decay ** j) * loss_sum / denominators[j].to(loss_sum.dtype)
-        hit = (pred + d2t[pred]) == batch["target_top"][keep]                   # [N_j]
-        correct_flags[keep, j] = hit
-        correct = hit.sum()
-        stats.append(torch.stack([loss_sum.detach().double(), correct.double(),
-                                  torch.tensor(float(len(keep)), dtype=torch.float64, device=correct.device)]))
-    if flags:
-        return total, torch.stack(stats), correct_flags
-    return total, torch.stack(stats)
-
-
-def acceptance_estimate(acc: list) -> float:
-    """Expected accepted length from per-step accuracies: 1 + sum_j prod_{i<=j} acc_i."""
-    out, prod = 1.0, 1.0
-    for a in acc:
-        prod *= a
-        out += prod
-    return out
-
-
-class TTTObjective(nn.Module):
-    """The drafter plus the loss, so that DDP / FSDP wrap one module whose forward runs it all."""
-
-    def __init__(self, drafter: Eagle3Drafter, ttt_steps: int, decay: float, compile: bool = False):
-        super().__init__()
-        self.drafter, self.ttt_steps, self.decay = drafter, ttt_steps, decay
-        # torch.compile of the unrolled TTT forward (dynamic shapes: one compilation serves every
-        # batch shape). Only the training pass uses it; evaluation (no_grad) stays eager, which
-        # spares a second compilation.
-        self.compiled_ttt = torch.compile(drafter.ttt_hidden, dynamic=True) if compile else None
-
-    def forward(self, batch: dict, denominators: torch.Tensor, flags: bool = False):
-        ttt = self.compiled_ttt if self.compiled_ttt is not None and torch.is_grad_enabled() \
-            else self.drafter.ttt_hidden
-        states = ttt(batch["aux"], batch["input_ids"], self.ttt_steps)
-        return ttt_loss(states, self.drafter.lm_head, self.drafter.d2t, batch, denominators, self.decay, flags)
-
-
-def replay_chain(u: torch.Tensor, correct: torch.Tensor, k: int,
-                 max_answer_tokens: Optional[int] = None) -> tuple[int, int]:
-    """Replay chain speculative decoding (k drafts per round, T=0) on one sequence's first answer,
-    from teacher-forced flags; returns (rounds, accepted drafts).
-
-    u [N]: the sequence's label positions, ascending; correct [N, J] bool from ttt_loss(flags=True).
-    The first answer is the first contiguous run of labels u0, u0+1, ... (token u0+1 is its first
-    token, which the prefill emits). A round anchored at t (target states up to t, token t+1 known)
-    drafts labels t+1 .. t+k and accepts while step j's flag at label t+1+j holds; it then emits
-    accepted + 1 tokens, so the next round is anchored at t + accepted + 1. The first round is
-    anchored at u0. With the answer's tokens equal to the target's greedy tokens (regenerated data)
-    this is what decoding does, except that decoding stops at max_new_tokens
-    (max_answer_tokens here) and k <= J (ttt_steps) is required.
-    """
-    J = correct.shape[1]
-    if not 1 <= k <= J:
-        raise ValueError(f"k={k}: replay needs 1 <= k <= ttt_steps ({J})")
-    u = u.tolist()
-    if not u:
-        return 0, 0
-    end = 0
-    while end + 1 < len(u) and u[end + 1] == u[end] + 1:                     # first contiguous run
-        end += 1
-    u0, last = u[0], u[end]
-    limit = last if max_answer_tokens is None else min(last, u0 + max_answer_tokens - 1)
-    flag = correct[:end + 1].tolist()                                        # flag[label - u0][j]
-    rounds = accepted = 0
-    t = u0
-    while t + 1 <= limit:
-        n = 0
-        while n < k and t + 1 + n <= limit and flag[t + 1 + n - u0][n]:
-            n += 1
-        rounds, accepted = rounds + 1, accepted + n
-        t += n + 1
-    return rounds, accepted
-
-
-# ==== data =====================================================================================
-def bucket_batches(lengths: list, batch_tokens: int, seed: int, epoch: int) -> list:
-    """Length-bucketed micro-batches of sequence indices, each with B * max_len <= batch_tokens.
-    A pure function of (lengths, batch_tokens, seed, epoch): sequences are sorted by length
-    (ties in a seeded random order), packed greedily, then the batch order is shuffled."""
-    g = torch.Generator().manual_seed(seed * 1000003 + epoch)
-    tiebreak = torch.randperm(len(lengths), generator=g).tolist()
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], tiebreak[i]))
-    batches, cur, cur_max = [], [], 0
-    for i in order:
-        n = min(lengths[i], batch_tokens)
-        if cur and max(cur_max, n) * (len(cur) + 1) > batch_tokens:
-            batches.append(cur)
-            cur, cur_max = [], 0
-        cur.append(i)
-        cur_max = max(cur_max, n)
-    if cur:
-        batches.append(cur)
-    perm = torch.randperm(len(batches), generator=g).tolist()
-    return [batches[k] for k in perm]
-
-
-def collate(items: list, max_len: int) -> dict:
-    """Right-pad cache items: input_ids [B, T] long, loss_mask [B, T] bool, aux [B, T, 3, H],
-    final [B, T, H] (cache dtype), lengths [B]. Sequences are cut at max_len."""
-    lengths = [min(len(it["input_ids"]), max_len) for it in items]
-    T, B = max(lengths), len(items)
-    H = items[0]["final"].shape[-1]
-    ids = torch.zeros(B, T, dtype=torch.long)
-    mask = torch.zeros(B, T, dtype=torch.bool)
-    aux = torch.zeros(B, T, *items[0]["aux"].shape[1:], dtype=items[0]["aux"].dtype)
-    final = torch.zeros(B, T, H, dtype=items[0]["final"].dtype)
-    for k, (it, n) in enumerate(zip(items, lengths)):
-        ids[k, :n] = it["input_ids"][:n]
-        mask[k, :n] = it["loss_mask"][:n].bool()
-        aux[k, :n] = it["aux"][:n]
-        final[k, :n] = it["final"][:n]
-    return {"input_ids": ids, "loss_mask": mask, "aux": aux, "final": final, "lengths": torch.tensor(lengths)}
-
-
-def aux_scale(cache, max_tokens: int = 16384) -> torch.Tensor:
-    """Robust per-dimension scale s [3, H] (fp32) of the cached aux states: median |x| / 0.6745
-    (the std of a Gaussian) over the first `max_tokens` tokens of the cache (fewer for wide
-    targets: at most 64M values, 2.9k tokens at H=7168), floored at 1e-3 of
-    the layer's median scale. Deterministic: a function of the cache only, so a resumed run
-    recomputes the same s. The median ignores the few attention-sink positions whose values are
-    thousands of times the rest."""
-    rows, n = [], 0
-    for i in range(len(cache)):
-        a = cache.get(i)["aux"]                                               # [n_i, 3, H]
-        if not rows:
-            max_tokens = max(1, min(max_tokens, (64 << 20) // a[0].numel()))  # a[0]: 3H values
-        a = a[: max_tokens - n].float()
-        rows.append(a)
-        n += len(a)
-        if n >= max_tokens:
-            break
-    if not rows:
-        raise ValueError("aux_scale: the hidden-state cache is empty")
-    a = torch.cat(rows)                                                       # [N, 3, H]
-    s = a.abs().median(dim=0).values / 0.6745                                 # [3, H]
-    floor = 1e-3 * s.median(dim=-1, keepdim=True).values.clamp(min=1e-6)      # [3, 1]
-    return torch.maximum(s, floor).contiguous()
-
-
-def fold_aux_scale(state: dict, scale: Optional[torch.Tensor]) -> dict:
-    """Drafter state trained on aux / s -> the same function on raw aux: fc.weight[:, d] / s[d]."""
-    if scale is None:
-        return state
-    w = state["fc.weight"]                                                    # [H, 3H]
-    folded = (w.float() / scale.reshape(1, -1).to(w.device)).to(w.dtype)
-    return {**state, "fc.weight": folded}
-
-
-def prepare_batch(batch: dict, head: TargetHead, ttt_steps: int, device,
-                  scale: Optional[torch.Tensor] = None, exact_top1: bool = True,
-                  all_positions: bool = False) -> dict:
-    """Add the labels (target_p, target_top at the label positions) and the per-step counts.
-    scale [3, H] (see aux_scale): the batch's aux is divided by it (fp32), see
-    TrainParams.fc_input_scaling.
-    exact_top1: see TargetHead.labels.
-    all_positions: label every real token, not only assistant ones (TrainParams.label_positions)."""
-    mask = batch["loss_mask"]                                                  # [B, T]
-    if all_positions:
-        mask = torch.arange(mask.shape[1])[None, :] < batch["lengths"][:, None]
-    b, u = target_positions(mask)
-    p, top = head.labels(batch["final"][b, u], exact_top1=exact_top1)
-    aux = batch["aux"] if scale is None else batch["aux"].float() / scale
-    out = {"input_ids": batch["input_ids"].to(device), "aux": aux.to(device),
-           "tgt_b": b.to(device), "tgt_u": u.to(device), "target_p": p, "target_top": top}
-    out["counts"] = step_counts(u, ttt_steps)                                 # [J] (cpu)
-    out["tokens"] = float(batch["lengths"].sum())
-    return out
-
-
-def add_feature_noise(prepared: dict, std: float, scale: Optional[torch.Tensor], seed: int, step: int) -> dict:
-    """Training-only regulariser (TrainParams.feature_noise): aux += std * s * N(0, 1), where s [3, H]
-    is the aux scale (1 when the batch is already aux / s). The noise is a function of (seed, step)
-    only, so a resumed run draws the same noise. Returns a new dict; `prepared` is not modified."""
-    if std <= 0:
-        return prepared
-    aux = prepared["aux"]                                                      # [B, T, 3, H] fp32
-    gen = torch.Generator(device=aux.device).manual_seed(seed * 1_000_003 + step)
-    noise = torch.randn(aux.shape, generator=gen, dtype=torch.float32, device=aux.device) * std  # [B, T, 3, H]
-    if scale is not None:
-        noise = noise * scale.to(noise.device, noise.dtype)
-    return {**prepared, "aux": (aux.float() + noise).to(aux.dtype)}
+CACHE_MANIFEST = "manifest.json"          # the hidden-state cache's manifest (extract.py's format)
 
 
 # ==== schedule, optimizer =======================================================================
@@ -412,55 +94,12 @@ def make_optimizers_for(model: nn.Module, t) -> list:
     return [torch.optim.AdamW([p for _, p in named], lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))]
 
 
-# ==== distributed ==============================================================================
-class Dist:
-    """rank / world / helpers; a single process when not launched by torchrun."""
-
-    def __init__(self, mode: str):
-        import torch.distributed as dist
-        self.dist = dist
-        self.mode = mode
-        self.launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-        self.created = False
-        if self.launched and not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
-            self.created = True
-        self.rank = dist.get_rank() if self.launched else 0
-        self.world = dist.get_world_size() if self.launched else 1
-        if self.world > 1 and mode == "none":
-            raise RuntimeError("launched under torchrun with several processes but train.distributed is none; "
-                               "set train.distributed to ddp or fsdp")
-
-    def all_sum(self, x: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            x = x.clone()
-            self.dist.all_reduce(x)
-        return x
-
-    def broadcast_flag(self, flag: bool) -> bool:
-        if self.world == 1:
-            return flag
-        t = torch.tensor([1.0 if flag else 0.0])
-        self.dist.broadcast(t, src=0)
-        return bool(t.item())
-
-    def barrier(self):
-        if self.world > 1:
-            self.dist.barrier()
-
-    def close(self):
-        if self.created:
-            self.dist.destroy_process_group()
-
-
 def wrap_model(objective: TTTObjective, mode: str, dist: Dist) -> nn.Module:
     if dist.world == 1:
         return objective
     if mode == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
         return DistributedDataParallel(objective)
     if mode == "fsdp":  # one FSDP unit: the drafter is one layer; params and optimizer state are sharded
-        from torch.distributed.fsdp import fully_shard
         return fully_shard(objective)
     raise ValueError(mode)
 
@@ -487,8 +126,6 @@ def no_sync(model: nn.Module, last: bool):
 def _full_state(model: nn.Module, optimizers: list) -> tuple[dict, dict]:
     """(model state, optimizer state {"state": {fqn: {key: tensor}}, "param_groups": [...]}),
     full tensors on CPU (gathered under FSDP), keyed by parameter names."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizers, options=opts)
 
@@ -497,7 +134,6 @@ def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizers: li
     """checkpoints/step-XXXXXX/checkpoint.safetensors, written in a temp folder and renamed.
     Tensors: model.<name>, optim.<param name>.<state key> (e.g. exp_avg, step), rng.torch;
     metadata["eagle3lab"]: JSON with the step, data position, history and optimizer param_groups."""
-    from safetensors.torch import save_file
     model_sd, optim_sd = _full_state(model, optimizers)
     if dist.rank != 0:
         return None
@@ -524,9 +160,6 @@ def latest_checkpoint(ckpt_root: Path) -> Optional[Path]:
 
 def load_checkpoint(path: Path, model: nn.Module, optimizers: list) -> dict:
     """Restore model, optimizer and RNG from a checkpoint folder; returns its metadata."""
-    from safetensors import safe_open
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
     with safe_open(str(path / CHECKPOINT_FILE), framework="pt") as f:
         meta = json.loads(f.metadata()["eagle3lab"])
         tensors = {k: f.get_tensor(k) for k in f.keys()}
@@ -547,7 +180,6 @@ def load_checkpoint(path: Path, model: nn.Module, optimizers: list) -> dict:
 def save_final(out_dir: Path, drafter_state: dict, config: Eagle3Config, extra: dict) -> None:
     """final/: model.safetensors (vLLM parameter names, without the frozen embed_tokens) and
     config.json = asdict(Eagle3Config); written in a temp folder, then renamed."""
-    from safetensors.torch import save_file
     state = {k: v.detach().cpu().contiguous() for k, v in drafter_state.items() if not k.startswith("embed_tokens")}
     with atomic_dir(out_dir) as tmp:
         save_file(state, str(tmp / "model.safetensors"))
@@ -555,60 +187,101 @@ def save_final(out_dir: Path, drafter_state: dict, config: Eagle3Config, extra: 
         (tmp / "training.json").write_text(json.dumps(extra, indent=2, default=str) + "\n")
 
 
-# ==== evaluation ===============================================================================
-@torch.no_grad()
-def evaluate(model: nn.Module, batches: list, ttt_steps: int, amp, max_answer_tokens: Optional[int] = None) -> dict:
-    """Per-step soft-CE loss, top-1 accuracy and the acceptance estimate on prepared batches, and
-    `acceptance_replayed`: chain decoding with k = ttt_steps replayed on each sequence's first
-    answer (replay_chain), which counts acceptance where decoding measures it."""
-    was_training = model.training
-    model.eval()
-    stats = torch.zeros(ttt_steps, 3, dtype=torch.float64)
-    rounds = accepted = 0
-    for batch in batches:
-        with amp():
-            _, s, correct = model(batch, torch.ones(ttt_steps, dtype=torch.float64), flags=True)
-        stats += s.cpu()
-        b, u, correct = batch["tgt_b"].cpu(), batch["tgt_u"].cpu(), correct.cpu()
-        for row in b.unique().tolist():
-            sel = b == row
-            r, a = replay_chain(u[sel], correct[sel], ttt_steps, max_answer_tokens)
-            rounds, accepted = rounds + r, accepted + a
-    model.train(was_training)
-    n = stats[:, 2].clamp(min=1)
-    acc = (stats[:, 1] / n).tolist()
-    return {"loss": (stats[:, 0] / n).tolist(), "acc": acc, "acceptance_estimate": acceptance_estimate(acc),
-            "acceptance_replayed": 1.0 + accepted / max(1, rounds), "replay_rounds": rounds,
-            "positions": stats[:, 2].tolist()}
 
 
-def heldout_batches(eval_cache, sequences: int, head: TargetHead, ttt_steps: int, batch_tokens: int, device,
-                    scale: Optional[torch.Tensor] = None) -> list:
-    """The first `sequences` held-out cache items (of >= 3 tokens) as prepared batches with exact
-    full-vocabulary top-1 labels, in a fixed order."""
-    idx = [i for i in range(min(sequences, len(eval_cache))) if eval_cache.lengths[i] >= 3]
-    batches = []
-    for chunk in bucket_batches([eval_cache.lengths[i] for i in idx], batch_tokens, 0, 0):
-        items = [eval_cache.get(idx[k]) for k in sorted(chunk)]
-        batches.append(prepare_batch(collate(items, batch_tokens), head, ttt_steps, device, scale))
-    return batches
-
-
-# ==== the training loop ========================================================================
+# ==== what a resumption must match ==============================================================
 # Train fields that may change between a run and its resumption (they do not change the math).
 RESUMABLE_CHANGES = {"resume", "time_budget_minutes", "checkpoint_every", "eval_sequences", "tracking",
-                     "compile", "max_steps", "epochs", "nproc", "distributed"}
+                     "compile", "max_steps", "epochs", "nproc", "distributed",
+                     "diverge_steps", "diverge_uniform_rtol", "diverge_loss_rise", "diverge_grad_norm"}
 
 
-def training_identity(P: Params) -> str:
+def training_identity(P: Params, cache_fingerprint: Optional[str] = None) -> str:
     """Hash of what determines the weights (train fields except RESUMABLE_CHANGES, seed, data,
-    extraction): a checkpoint made under another identity is not resumed."""
-    import hashlib
+    extraction, and the fingerprint of the hidden-state cache trained on when given): a checkpoint
+    made under another identity is not resumed."""
     train = {k: v for k, v in asdict(P.train).items() if k not in RESUMABLE_CHANGES}
-    blob = json.dumps({"train": train, "data": P.section_hash("data", "extract")}, sort_keys=True, default=str)
+    payload = {"train": train, "data": P.section_hash("data", "extract")}
+    if cache_fingerprint is not None:
+        payload["cache"] = cache_fingerprint
+    blob = json.dumps(payload, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def cache_fingerprint(layout: RunLayout) -> str:
+    """sha256 (16 hex digits) of the train and eval caches' manifest.json bytes. A manifest lists
+    every shard's sha256, so this names the cache's content: a re-extracted or repaired cache (or
+    another one) gets another fingerprint. A missing eval cache counts as empty."""
+    h = hashlib.sha256()
+    for split in ("train", "eval"):
+        manifest = layout.hidden(split) / CACHE_MANIFEST
+        h.update(f"{split}:".encode())
+        h.update(manifest.read_bytes() if manifest.is_file() else b"")
+    return h.hexdigest()[:16]
+
+
+# ==== divergence guard ==========================================================================
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradients show a diverged run (see DivergenceGuard)."""
+
+
+class DivergenceGuard:
+    """Stops a run that has diverged instead of letting it finish "successfully". A step is bad when
+
+    - uniform: every TTT step's mean soft CE is log(Dv) within diverge_uniform_rtol (relative): the
+      drafter outputs the uniform distribution over the draft vocabulary (a collapsed model;
+      a learning model passes this value at most in passing, not on all steps at once);
+    - rise: the loss is above diverge_loss_rise x its running minimum (this process's steps);
+    - vanished: the gradient norm (before clipping) is <= diverge_grad_norm.
+
+    diverge_steps consecutive bad steps of one kind raise TrainingDiverged (0: guard off)."""
+
+    def __init__(self, t: TrainParams, draft_vocab_size: int):
+        self.t = t
+        self.uniform_loss = math.log(draft_vocab_size)
+        self.best = math.inf
+        self.streaks = {"uniform": 0, "rise": 0, "vanished": 0}
+        self.first_bad = {k: 0 for k in self.streaks}              # first step of each streak
+
+    def reasons(self, record: dict) -> dict:
+        """Which criteria record (step, loss, step_loss, grad_norm) meets -> {kind: description}."""
+        t, loss = self.t, record["loss"]
+        out = {}
+        if all(abs(l - self.uniform_loss) <= t.diverge_uniform_rtol * self.uniform_loss for l in record["step_loss"]):
+            out["uniform"] = f"the loss stays at the uniform level log(Dv) = {self.uniform_loss:.4f} on every TTT step"
+        if self.best < math.inf and loss > t.diverge_loss_rise * self.best:
+            out["rise"] = (f"the loss ({loss:.4g}) stays above {t.diverge_loss_rise:g}x its running minimum "
+                           f"({self.best:.4g})")
+        if record["grad_norm"] <= t.diverge_grad_norm:
+            out["vanished"] = f"the gradient norm stays <= {t.diverge_grad_norm:g} ({record['grad_norm']:.3g})"
+        return out
+
+    def check(self, record: dict) -> Optional[tuple[str, int]]:
+        """Update with one step's record; (description, first bad step) once a streak reaches
+        diverge_steps, else None."""
+        found = self.reasons(record)
+        self.best = min(self.best, record["loss"])
+        for kind in self.streaks:
+            if kind in found:
+                self.first_bad[kind] = self.first_bad[kind] if self.streaks[kind] else record["step"]
+                self.streaks[kind] += 1
+                if self.t.diverge_steps and self.streaks[kind] >= self.t.diverge_steps:
+                    return found[kind], self.first_bad[kind]
+            else:
+                self.streaks[kind] = 0
+        return None
+
+
+def last_good_checkpoint(ckpt_root: Path, first_bad_step: int) -> Optional[Path]:
+    """The newest kept checkpoint older than the first bad step's weights. Checkpoint step-k holds
+    the weights after k updates, which step k+1's loss is computed with: the first bad step s was
+    computed with step-(s-1), so the good ones are step-k with k < s - 1."""
+    good = [p for p in ckpt_root.glob("step-*")
+            if (p / CHECKPOINT_FILE).is_file() and int(p.name.split("-")[1]) < first_bad_step - 1]
+    return max(good, default=None)
+
+
+# ==== one optimizer step, the drafter ==========================================================
 def optimizer_step(model: nn.Module, optimizers: list, prepared: list, t, dist: Dist, amp) -> tuple:
     """One optimizer step over this rank's prepared micro-batches (see prepare_batch).
     Losses are normalised by GLOBAL counts (all micro-batches of all ranks), so the update equals
@@ -653,7 +326,6 @@ def init_from_target_layer(drafter: Eagle3Drafter, target_dir: Path, layer: int,
       a / s, so the diagonal is s_high).
     At step 0 the drafter then starts as "target layer `layer` applied to a_high" and only has
     to learn the shift by one token and the use of the embedding."""
-    from .target import load_target_layer
     w = load_target_layer(target_dir, layer)
     H = drafter.config.hidden_size
     m = drafter.midlayer
@@ -697,170 +369,261 @@ def build_drafter(P: Params, target_dir: Path, hidden_size: int, aux_layers: lis
     return drafter
 
 
+
+
+# ==== the training run: setup -> loop -> finish =================================================
+@dataclass
+class TrainRun:
+    """One training run's state, made by setup() and advanced by the loop."""
+    P: Params
+    layout: RunLayout
+    dist: Dist
+    device: torch.device
+    cache: HiddenCache                    # hidden/train
+    usable: list                          # cache indices of the sequences with >= 3 tokens
+    lengths: list                         # their lengths
+    scoring: Scoring                      # head, objective (the unwrapped model), autocast, aux scale
+    noise_scale: Optional[torch.Tensor]   # [3, H] feature noise unit on raw aux (None: aux / s or off)
+    model: nn.Module                      # scoring.objective, wrapped for DDP / FSDP
+    optimizers: list
+    steps_per_epoch: int
+    per_step: int                         # micro-batches per optimizer step (ranks x grad_accum)
+    total_steps: int
+    identity: str                         # training_identity with the cache fingerprint
+    fingerprint: str                      # cache_fingerprint
+    step: int = 0                         # optimizer steps done
+    history: list = field(default_factory=list)
+    eval_batches: list = field(default_factory=list)
+
+    @property
+    def config(self) -> Eagle3Config:
+        return self.scoring.objective.drafter.config
+
+    def set_lr(self, step: int) -> float:
+        t = self.P.train
+        lr = t.lr * lr_factor(step, t.warmup_steps, self.total_steps, t.min_lr_ratio)
+        for o in self.optimizers:
+            for g in o.param_groups:
+                g["lr"] = lr
+        return lr
+
+    def meta(self) -> dict:
+        """The checkpoint metadata after self.step steps."""
+        return {"total_steps": self.total_steps, "world_batch": self.per_step,
+                "epoch": self.step // self.steps_per_epoch, "position_in_epoch": self.step % self.steps_per_epoch,
+                "history": self.history, "identity": self.identity, "cache_fingerprint": self.fingerprint,
+                "config": asdict(self.config)}
+
+
+def schedule(cache: HiddenCache, t: TrainParams, seed: int, world: int) -> tuple[list, int, int, int]:
+    """-> (usable sequence indices, micro-batches per step, steps per epoch, total steps)."""
+    usable = [i for i, n in enumerate(cache.lengths) if n >= 3]
+    per_step = world * t.grad_accum
+    batches = bucket_batches([cache.lengths[i] for i in usable], t.batch_tokens, seed, 0)
+    steps_per_epoch = len(batches) // per_step
+    if steps_per_epoch == 0:
+        raise ValueError(f"{len(usable)} usable training sequences make fewer micro-batches than one "
+                         f"optimizer step needs ({per_step} = ranks x grad_accum); lower train.batch_tokens")
+    return usable, per_step, steps_per_epoch, t.max_steps or max(1, math.ceil(t.epochs * steps_per_epoch))
+
+
+def setup(P: Params, layout: RunLayout, dist: Dist, device: torch.device) -> TrainRun:
+    """Data, drafter, scoring, optimizers and schedule; resumes from the newest checkpoint when
+    train.resume is on; the held-out batches of hidden/eval (none when that cache is missing)."""
+    t = P.train
+    cache = HiddenCache(layout.hidden("train"))
+    d2t, t2d = load_vocab(layout.vocab)
+    scale = aux_scale(cache) if t.fc_input_scaling else None                # [3, H] or None
+    # noise is in units of s: the batch already holds aux / s when fc_input_scaling is on
+    noise_scale = aux_scale(cache) if t.feature_noise > 0 and not t.fc_input_scaling else None
+    drafter = build_drafter(P, target_path(P), cache.hidden_size, cache.aux_layers, d2t, t2d, scale).to(device)
+    scoring = build_scoring(P, layout, drafter, device, scale=scale, compile=t.compile)
+    model = wrap_model(scoring.objective, t.distributed, dist)
+    optimizers = make_optimizers_for(model, t)
+    usable, per_step, steps_per_epoch, total_steps = schedule(cache, t, P.seed, dist.world)
+    fingerprint = cache_fingerprint(layout)
+    run = TrainRun(P, layout, dist, device, cache, usable, [cache.lengths[i] for i in usable], scoring, noise_scale,
+                   model, optimizers, steps_per_epoch, per_step, total_steps,
+                   training_identity(P, fingerprint), fingerprint)
+    resume(run)
+    eval_path = layout.hidden("eval")
+    if (eval_path / CACHE_MANIFEST).is_file():
+        run.eval_batches = scoring.heldout(HiddenCache(eval_path), t.eval_sequences, t.batch_tokens, device)
+    return run
+
+
+def resume(run: TrainRun) -> None:
+    """Continue from the newest checkpoint (train.resume) after checking that it was made with the
+    same schedule, params and hidden-state cache; without train.resume, delete the checkpoints."""
+    ckpt_root = run.layout.checkpoints
+    ckpt = latest_checkpoint(ckpt_root) if run.P.train.resume else None
+    if not run.P.train.resume and run.dist.rank == 0 and ckpt_root.exists():
+        shutil.rmtree(ckpt_root)
+    run.dist.barrier()
+    if ckpt is None:
+        return
+    meta = load_checkpoint(ckpt, run.model, run.optimizers)
+    start_over = "set train.resume: false to start over, or use another run name"
+    if meta["total_steps"] != run.total_steps or meta["world_batch"] != run.per_step:
+        raise RuntimeError(f"{ckpt} was made with another schedule ({meta['total_steps']} steps, "
+                           f"{meta['world_batch']} micro-batches/step; now {run.total_steps}, {run.per_step}); "
+                           "set train.resume: false to start over")
+    if meta.get("cache_fingerprint") not in (None, run.fingerprint):
+        raise RuntimeError(f"{ckpt} was trained on another hidden-state cache (fingerprint "
+                           f"{meta['cache_fingerprint']}, now {run.fingerprint}: "
+                           f"{run.layout.hidden('train').parent} was re-extracted, repaired or replaced); "
+                           f"{start_over}")
+    if meta["identity"] != run.identity:
+        raise RuntimeError(f"{ckpt} was made with other train/data params (only "
+                           f"{sorted(RESUMABLE_CHANGES)} may change between resumptions); {start_over}")
+    run.step, run.history = meta["step"], meta.get("history", [])
+
+
+def train_step(run: TrainRun, epoch_batches: dict) -> tuple[dict, float]:
+    """One optimizer step on global batch run.step -> (record, global real tokens). epoch_batches
+    caches the current epoch's micro-batches ({epoch: list})."""
+    P, t, dist = run.P, run.P.train, run.dist
+    epoch, pos = divmod(run.step, run.steps_per_epoch)
+    if epoch not in epoch_batches:
+        epoch_batches.clear()
+        epoch_batches[epoch] = bucket_batches(run.lengths, t.batch_tokens, P.seed, epoch)
+    global_mbs = epoch_batches[epoch][pos * run.per_step:(pos + 1) * run.per_step]
+    mine = global_mbs[dist.rank::dist.world]                       # disjoint slice per rank
+    prepared = [prepare_batch(collate([run.cache.get(run.usable[k]) for k in mb], t.batch_tokens),
+                              run.scoring.head, t.ttt_steps, run.device, run.scoring.scale, exact_top1=False,
+                              all_positions=t.label_positions == "all") for mb in mine]
+    if t.feature_noise > 0:                                        # after the labels: they stay exact
+        prepared = [add_feature_noise(b, t.feature_noise, run.noise_scale,
+                                      P.seed * 1009 + dist.rank * 101 + i, run.step)
+                    for i, b in enumerate(prepared)]
+    lr = run.set_lr(run.step)
+    loss_value, stats, grad_norm, tokens = optimizer_step(run.model, run.optimizers, prepared, t, dist,
+                                                          run.scoring.amp)
+    if not math.isfinite(loss_value):
+        raise FloatingPointError(f"train step {run.step}: loss is {loss_value} (non-finite); lower "
+                                 f"train.lr or use train.dtype float32 (last checkpoint: "
+                                 f"{latest_checkpoint(run.layout.checkpoints)})")
+    run.step += 1
+    n = stats[:, 2].clamp(min=1)
+    return {"step": run.step, "lr": lr, "loss": loss_value, "grad_norm": grad_norm,
+            "step_loss": (stats[:, 0] / n).tolist(), "step_acc": (stats[:, 1] / n).tolist()}, tokens
+
+
+def stop_if_diverged(run: TrainRun, guard: DivergenceGuard, record: dict) -> None:
+    found = guard.check(record)
+    if found is None:
+        return
+    what, first_bad = found
+    good = last_good_checkpoint(run.layout.checkpoints, first_bad)
+    raise TrainingDiverged(
+        f"train step {record['step']} (lr {record['lr']:.3g}): the run diverged: {what} since step {first_bad} "
+        f"({run.P.train.diverge_steps} steps, train.diverge_steps). Last good checkpoint: "
+        f"{good or 'none kept'}. Lower train.lr (or raise train.warmup_steps) and restart with "
+        "train.resume: false, or resume from that checkpoint after deleting the newer ones; "
+        "the thresholds are train.diverge_* (diverge_steps: 0 turns the guard off)")
+
+
+def open_tracker(run: TrainRun):
+    """The tensorboard writer of train.tracking (rank 0), else None."""
+    if run.P.train.tracking != "tensorboard" or run.dist.rank != 0:
+        return None
+    try:   # lazy: tensorboard is an optional dependency
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise RuntimeError("train.tracking: tensorboard needs `pip install tensorboard`") from e
+    return SummaryWriter(str(run.layout.tensorboard))
+
+
+def report(run: TrainRun, record: dict, bar, tracker, callback: Optional[Callable]) -> None:
+    """Rank 0: the progress bar, tensorboard and the caller's callback."""
+    bar.update(1)
+    bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['step_acc'][0]:.3f}")
+    if tracker is not None:
+        step = record["step"]
+        tracker.add_scalar("train/loss", record["loss"], step)
+        tracker.add_scalar("train/lr", record["lr"], step)
+        for j in range(run.P.train.ttt_steps):
+            tracker.add_scalar(f"train/acc_step{j}", record["step_acc"][j], step)
+            if "eval" in record:
+                tracker.add_scalar(f"eval/acc_step{j}", record["eval"]["acc"][j], step)
+    if callback is not None:
+        callback(record)
+
+
+def loop(run: TrainRun, progress: bool, callback: Optional[Callable]) -> tuple[str, float, float]:
+    """Optimizer steps until total_steps or the time budget; a checkpoint (and a held-out
+    evaluation) every checkpoint_every steps and at the end. -> (stopped_by, tokens, seconds)."""
+    t, dist = run.P.train, run.dist
+    rank0 = dist.rank == 0
+    tracker = open_tracker(run)
+    guard = DivergenceGuard(t, run.config.draft_vocab_size)
+    bar = tqdm(total=run.total_steps, initial=run.step, desc="train", disable=not (progress and rank0))
+    t0, tokens_seen, stopped_by = time.time(), 0.0, "steps"
+    epoch_batches: dict = {}
+    run.model.train()
+    while run.step < run.total_steps:
+        record, tokens = train_step(run, epoch_batches)
+        tokens_seen += tokens
+        record["tokens_per_s"] = tokens_seen / max(1e-9, time.time() - t0)
+        stop_if_diverged(run, guard, record)
+        out_of_time = t.time_budget_minutes is not None and time.time() - t0 > 60 * t.time_budget_minutes
+        out_of_time = dist.broadcast_flag(out_of_time)
+        due = run.step % t.checkpoint_every == 0 or run.step == run.total_steps or out_of_time
+        if run.eval_batches and due:
+            record["eval"] = evaluate(run.model, run.eval_batches, t.ttt_steps, run.scoring.amp)
+        run.history.append(record)
+        if due:
+            save_checkpoint(run.layout.checkpoints, run.step, run.model, run.optimizers, run.meta(), dist)
+        if rank0:
+            report(run, record, bar, tracker, callback)
+        if out_of_time and run.step < run.total_steps:
+            stopped_by = "time_budget"
+            break
+    bar.close()
+    if tracker is not None:
+        tracker.close()
+    return stopped_by, tokens_seen, time.time() - t0
+
+
+def finish(run: TrainRun, stopped_by: str, tokens_seen: float, seconds: float) -> dict:
+    """final/ (the drafter with the aux scale folded into fc), summary.json, history.json."""
+    full = get_model_state_dict(run.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    drafter_state = {k[len("drafter."):]: v for k, v in full.items() if k.startswith("drafter.")}
+    history, L = run.history, run.layout
+    evals = [r for r in history if "eval" in r]
+    summary = {"steps": run.step, "total_steps": run.total_steps, "stopped_by": stopped_by,
+               "steps_per_epoch": run.steps_per_epoch, "epochs_done": run.step / run.steps_per_epoch,
+               "world_size": run.dist.world, "train_sequences": len(run.usable),
+               "final_loss": history[-1]["loss"] if history else None,
+               "train_step_acc": history[-1]["step_acc"] if history else None,
+               "eval": evals[-1]["eval"] if evals else None,
+               "tokens_per_s_this_run": tokens_seen / max(1e-9, seconds),
+               "checkpoint": str(latest_checkpoint(L.checkpoints)), "final_dir": str(L.final)}
+    if run.dist.rank == 0:
+        # final/ computes fc(aux) on raw aux (the full state exists on rank 0 only)
+        save_final(L.final, fold_aux_scale(drafter_state, run.scoring.scale), run.config, summary)
+        atomic_write_json(L.summary, summary)
+        atomic_write_json(L.history, history)
+    run.dist.barrier()
+    return summary
+
+
 def train(P: Params, run_dir, progress: bool = True, callback: Optional[Callable] = None) -> dict:
     """Train (or resume) the drafter of run `run_dir`; returns a summary dict.
 
     callback(record) is called on rank 0 after every optimizer step with the step's record
-    (step, lr, loss, per-step loss/acc, tokens/s, and `eval` when an eval ran at that step)."""
-    from .extract import HiddenCache
-    from .vocab import load_vocab
-
-    t = P.train
-    run_dir = Path(run_dir)
-    out_root = run_dir / "train"
-    dist = Dist(t.distributed)
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    (step, lr, loss, grad norm, per-step loss/acc, tokens/s, and `eval` when an eval ran at that
+    step). Raises FloatingPointError on a non-finite loss and TrainingDiverged when the
+    divergence guard trips (DivergenceGuard)."""
+    dist = Dist()
     try:
-        # ---- data, target head, model
-        cache = HiddenCache(run_dir / "hidden" / "train")
-        eval_path = run_dir / "hidden" / "eval"
-        eval_cache = HiddenCache(eval_path) if (eval_path / "manifest.json").is_file() else None
-        d2t, t2d = load_vocab(run_dir / "data" / "vocab.safetensors")
-        tdir = target_path(P)
-        scale = aux_scale(cache) if t.fc_input_scaling else None                # [3, H] or None
-        # noise is in units of s: the batch already holds aux / s when fc_input_scaling is on
-        noise_scale = aux_scale(cache) if t.feature_noise > 0 and not t.fc_input_scaling else None
-        drafter = build_drafter(P, tdir, cache.hidden_size, cache.aux_layers, d2t, t2d, scale).to(device)
-        head = TargetHead(load_target_tensors(tdir, ("lm_head",))["lm_head"], d2t).to(device)
-        objective = TTTObjective(drafter, t.ttt_steps, t.decay, compile=t.compile)
-        model = wrap_model(objective, t.distributed, dist)
-        optimizers = make_optimizers_for(model, t)
-        amp = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if t.dtype == "bfloat16" \
-            else contextlib.nullcontext
-
-        # ---- schedule over global batches
-        usable = [i for i, n in enumerate(cache.lengths) if n >= 3]
-        per_step = dist.world * t.grad_accum                           # micro-batches per optimizer step
-        lengths = [cache.lengths[i] for i in usable]
-        steps_per_epoch = len(bucket_batches(lengths, t.batch_tokens, P.seed, 0)) // per_step
-        if steps_per_epoch == 0:
-            raise ValueError(f"{len(usable)} usable training sequences make fewer micro-batches than one "
-                             f"optimizer step needs ({per_step} = ranks x grad_accum); lower train.batch_tokens")
-        total_steps = t.max_steps or max(1, math.ceil(t.epochs * steps_per_epoch))
-
-        def set_lr(step_now: int) -> float:
-            lr = t.lr * lr_factor(step_now, t.warmup_steps, total_steps, t.min_lr_ratio)
-            for o in optimizers:
-                for g in o.param_groups:
-                    g["lr"] = lr
-            return lr
-
-        # ---- resume
-        ckpt_root = out_root / "checkpoints"
-        step, history = 0, []
-        ckpt = latest_checkpoint(ckpt_root) if t.resume else None
-        if not t.resume and dist.rank == 0 and ckpt_root.exists():
-            shutil.rmtree(ckpt_root)
-        dist.barrier()
-        if ckpt is not None:
-            meta = load_checkpoint(ckpt, model, optimizers)
-            if meta["total_steps"] != total_steps or meta["world_batch"] != per_step:
-                raise RuntimeError(f"{ckpt} was made with another schedule ({meta['total_steps']} steps, "
-                                   f"{meta['world_batch']} micro-batches/step; now {total_steps}, {per_step}); "
-                                   "set train.resume: false to start over")
-            if meta["identity"] != training_identity(P):
-                raise RuntimeError(f"{ckpt} was made with other train/data params (only "
-                                   f"{sorted(RESUMABLE_CHANGES)} may change between resumptions); "
-                                   "set train.resume: false to start over, or use another run name")
-            step, history = meta["step"], meta.get("history", [])
-        if progress and dist.rank == 0 and ckpt is not None:
-            print(f"resumed from {ckpt} (step {step}/{total_steps})")
-
-        eval_batches = [] if eval_cache is None else \
-            heldout_batches(eval_cache, t.eval_sequences, head, t.ttt_steps, t.batch_tokens, device, scale)
-
-        tracker = None
-        if t.tracking == "tensorboard" and dist.rank == 0:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                raise RuntimeError("train.tracking: tensorboard needs `pip install tensorboard`") from e
-            tracker = SummaryWriter(str(out_root / "tensorboard"))
-
-        def meta_for(step_done):
-            return {"total_steps": total_steps, "world_batch": per_step, "epoch": step_done // steps_per_epoch,
-                    "position_in_epoch": step_done % steps_per_epoch, "history": history,
-                    "identity": training_identity(P), "config": asdict(drafter.config)}
-
-        # ---- loop
-        from tqdm.auto import tqdm
-        bar = tqdm(total=total_steps, initial=step, desc="train", disable=not (progress and dist.rank == 0))
-        t0, tokens_seen, stopped_by = time.time(), 0.0, "steps"
-        epoch_batches: dict = {}
-        model.train()
-        while step < total_steps:
-            epoch, pos = divmod(step, steps_per_epoch)
-            if epoch not in epoch_batches:
-                epoch_batches = {epoch: bucket_batches(lengths, t.batch_tokens, P.seed, epoch)}
-            global_mbs = epoch_batches[epoch][pos * per_step:(pos + 1) * per_step]
-            mine = global_mbs[dist.rank::dist.world]                   # disjoint slice per rank
-            prepared = [prepare_batch(collate([cache.get(usable[k]) for k in mb], t.batch_tokens), head,
-                                      t.ttt_steps, device, scale, exact_top1=False,
-                                      all_positions=t.label_positions == "all") for mb in mine]
-            if t.feature_noise > 0:                                    # after the labels: they stay exact
-                prepared = [add_feature_noise(b, t.feature_noise, noise_scale,
-                                              P.seed * 1009 + dist.rank * 101 + i, step)
-                            for i, b in enumerate(prepared)]
-            lr = set_lr(step)
-            loss_value, stats, grad_norm, tokens = optimizer_step(model, optimizers, prepared, t, dist, amp)
-            if not math.isfinite(loss_value):
-                raise FloatingPointError(f"train step {step}: loss is {loss_value} (non-finite); lower "
-                                         f"train.lr or use train.dtype float32 (last checkpoint: {latest_checkpoint(ckpt_root)})")
-            step += 1
-            tokens_seen += tokens
-            n = stats[:, 2].clamp(min=1)
-            record = {"step": step, "lr": lr, "loss": loss_value, "grad_norm": grad_norm,
-                      "step_loss": (stats[:, 0] / n).tolist(), "step_acc": (stats[:, 1] / n).tolist(),
-                      "tokens_per_s": tokens_seen / max(1e-9, time.time() - t0)}
-            out_of_time = t.time_budget_minutes is not None and time.time() - t0 > 60 * t.time_budget_minutes
-            out_of_time = dist.broadcast_flag(out_of_time)
-            last = step == total_steps or out_of_time
-            if eval_batches and (step % t.checkpoint_every == 0 or last):
-                record["eval"] = evaluate(model, eval_batches, t.ttt_steps, amp)
-            history.append(record)
-            if step % t.checkpoint_every == 0 or last:
-                save_checkpoint(ckpt_root, step, model, optimizers, meta_for(step), dist)
-            if dist.rank == 0:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss_value:.3f}", acc0=f"{record['step_acc'][0]:.3f}")
-                if tracker is not None:
-                    tracker.add_scalar("train/loss", loss_value, step)
-                    tracker.add_scalar("train/lr", lr, step)
-                    for j in range(t.ttt_steps):
-                        tracker.add_scalar(f"train/acc_step{j}", record["step_acc"][j], step)
-                        if "eval" in record:
-                            tracker.add_scalar(f"eval/acc_step{j}", record["eval"]["acc"][j], step)
-                if callback is not None:
-                    callback(record)
-            if out_of_time and step < total_steps:
-                stopped_by = "time_budget"
-                break
-        bar.close()
-        if tracker is not None:
-            tracker.close()
-
-        # ---- final drafter and summary
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        drafter_state = {k[len("drafter."):]: v for k, v in full.items() if k.startswith("drafter.")}
-        evals = [r for r in history if "eval" in r]
-        summary = {"steps": step, "total_steps": total_steps, "stopped_by": stopped_by,
-                   "steps_per_epoch": steps_per_epoch, "epochs_done": step / steps_per_epoch,
-                   "world_size": dist.world, "train_sequences": len(usable),
-                   "final_loss": history[-1]["loss"] if history else None,
-                   "train_step_acc": history[-1]["step_acc"] if history else None,
-                   "eval": evals[-1]["eval"] if evals else None,
-                   "tokens_per_s_this_run": tokens_seen / max(1e-9, time.time() - t0),
-                   "checkpoint": str(latest_checkpoint(ckpt_root)), "final_dir": str(out_root / "final")}
-        if dist.rank == 0:
-            # final/ computes fc(aux) on raw aux (the full state exists on rank 0 only)
-            save_final(out_root / "final", fold_aux_scale(drafter_state, scale), drafter.config, summary)
-            atomic_write_json(out_root / "summary.json", summary)
-            atomic_write_json(out_root / "history.json", history)
-        dist.barrier()
-        return summary
+        if dist.world > 1 and P.train.distributed == "none":
+            raise RuntimeError("launched under torchrun with several processes but train.distributed is none; "
+                               "set train.distributed to ddp or fsdp")
+        run = setup(P, RunLayout(run_dir), dist, dist.device("auto"))
+        if progress and dist.rank == 0 and run.step:
+            print(f"resumed from {latest_checkpoint(run.layout.checkpoints)} (step {run.step}/{run.total_steps})")
+        return finish(run, *loop(run, progress, callback))
     finally:
         dist.close()
 
@@ -869,15 +632,12 @@ def train(P: Params, run_dir, progress: bool = True, callback: Optional[Callable
 def torchrun_command(params_path, run_name: Optional[str], nproc: int) -> list:
     """The command that trains run `run_name` with `nproc` processes on this machine:
     torchrun --standalone --nproc-per-node N -m eagle3lib.train --params P [--run-name R]."""
-    import sys
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "eagle3lib.train", "--params", str(params_path)]
     return cmd + (["--run-name", run_name] if run_name else [])
 
 
 def main(argv=None) -> int:
-    import argparse
-    from .params import load_params
     ap = argparse.ArgumentParser(prog="python -m eagle3lib.train", description="train the EAGLE-3 drafter "
                                  "(under torchrun for train.distributed ddp / fsdp)")
     ap.add_argument("--params", required=True)

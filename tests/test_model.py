@@ -169,7 +169,8 @@ def test_from_target_copies_embedding_and_head_rows(tiny_target_dir):
 
 # ---- the TTT loss: which (position, step) pairs count ---------------------------------------------
 def _loss_setup(seed: int = 5, ttt_steps: int = 3):
-    from eagle3lib.train import TargetHead, collate, prepare_batch
+    from eagle3lib.batches import collate
+    from eagle3lib.objective import TargetHead, prepare_batch
     cfg = small_config(seed, True)
     model = random_drafter(cfg, seed)
     H, V = cfg.hidden_size, cfg.vocab_size
@@ -188,7 +189,7 @@ def _loss_setup(seed: int = 5, ttt_steps: int = 3):
 def reference_ttt_loss(model, items, head, ttt_steps, decay):
     """Straight from the spec: step j at position t predicts x_{t+2+j} with label p_{t+1+j},
     counted iff t+2+j < length and loss_mask[t+2+j]; mean over counted pairs per step."""
-    from eagle3lib.train import collate
+    from eagle3lib.batches import collate
     batch = collate(items, 64)
     logits = model.ttt_forward(batch["aux"], batch["input_ids"], ttt_steps)
     total = 0.0
@@ -205,7 +206,7 @@ def reference_ttt_loss(model, items, head, ttt_steps, decay):
 
 
 def test_ttt_loss_matches_the_spec_and_ignores_masked_positions_exactly():
-    from eagle3lib.train import step_counts, ttt_loss
+    from eagle3lib.objective import step_counts, ttt_loss
     model, items, head, J, prep = _loss_setup()
     batch = prep(items)
     states = model.ttt_hidden(batch["aux"], batch["input_ids"], J)
@@ -259,7 +260,7 @@ def test_ttt_loss_matches_the_spec_and_ignores_masked_positions_exactly():
 
 
 def test_bf16_autocast_loss_and_gradients_stay_close_to_fp32():
-    from eagle3lib.train import step_counts, ttt_loss
+    from eagle3lib.objective import step_counts, ttt_loss
     model, items, _, J, prep = _loss_setup(seed=9)
     batch = prep(items)
 
@@ -281,7 +282,7 @@ def test_bf16_autocast_loss_and_gradients_stay_close_to_fp32():
 
 
 def test_ttt_loss_flags_are_the_per_position_top1_hits():
-    from eagle3lib.train import step_counts, ttt_loss
+    from eagle3lib.objective import step_counts, ttt_loss
     model, items, head, J, prep = _loss_setup()
     batch = prep(items)
     with torch.no_grad():

@@ -16,13 +16,13 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from eagle3lib.batches import aux_scale, bucket_batches, fold_aux_scale
 from eagle3lib.extract import file_sha256
 from eagle3lib.model import Eagle3Config
+from eagle3lib.objective import acceptance_estimate, replay_chain
 from eagle3lib.params import load_params
 from eagle3lib.target import load_target_tensors
-from eagle3lib.train import (acceptance_estimate, aux_scale, bucket_batches, fold_aux_scale, init_from_target_layer,
-                             replay_chain,
-                             lr_factor, torchrun_command, train)
+from eagle3lib.train import init_from_target_layer, lr_factor, torchrun_command, train
 from eagle3lib.vocab import build_draft_vocab, count_assistant_tokens, save_vocab
 
 TOKENS = 300          # the synthetic chats use token ids below this
@@ -186,7 +186,8 @@ def test_replay_chain_follows_the_decoding_rounds():
 
 
 def test_label_positions_all_labels_every_token_with_a_successor():
-    from eagle3lib.train import TargetHead, collate, prepare_batch
+    from eagle3lib.batches import collate
+    from eagle3lib.objective import TargetHead, prepare_batch
     g = torch.Generator().manual_seed(3)
     V, H = 32, 8
     items = []
@@ -208,7 +209,7 @@ def test_label_positions_all_labels_every_token_with_a_successor():
 
 
 def test_feature_noise_perturbs_only_aux_reproducibly_and_scales_with_s():
-    from eagle3lib.train import add_feature_noise
+    from eagle3lib.objective import add_feature_noise
     g = torch.Generator().manual_seed(5)
     prepared = {"aux": torch.randn(2, 7, 3, 4, generator=g), "input_ids": torch.randint(9, (2, 7), generator=g),
                 "target_p": torch.rand(5, 6, generator=g)}
@@ -230,7 +231,7 @@ def test_feature_noise_perturbs_only_aux_reproducibly_and_scales_with_s():
 
 @pytest.mark.parametrize("scan_dtype", [None, torch.bfloat16, torch.float32])   # None: this machine's
 def test_target_labels_are_the_renormalised_draft_distribution_and_the_full_top1(scan_dtype):
-    from eagle3lib.train import TargetHead
+    from eagle3lib.objective import TargetHead
     g = torch.Generator().manual_seed(0)
     V, H, Dv = 300, 16, 40
     head_w = torch.randn(V, H, generator=g)
@@ -432,3 +433,87 @@ def test_design_choices_are_wired_and_the_time_budget_stops_cleanly(tmp_path, sh
     ids = torch.arange(len(d2t)) + d2t
     assert torch.equal(weights["lm_head.weight"], head[ids].float())          # initialised and frozen
     assert (P.run_dir() / "train" / "checkpoints" / "step-000001").is_dir()  # saved on the way out
+
+
+# ---- reliability: divergence guard, cache fingerprint -------------------------------------------
+def _record(step, loss, step_loss, grad_norm, lr=1e-3):
+    return {"step": step, "lr": lr, "loss": loss, "step_loss": step_loss, "grad_norm": grad_norm}
+
+
+def test_divergence_guard_criteria_need_consecutive_steps():
+    import math
+    from eagle3lib.params import TrainParams
+    from eagle3lib.train import DivergenceGuard
+    t = TrainParams(diverge_steps=3)
+    uniform = math.log(128)
+    # a learning run that passes the uniform level on single steps (the tiny test run's curve)
+    guard = DivergenceGuard(t, 128)
+    curve = [(18.6, [7.6, 7.6, 7.6]), (13.2, [5.38, 5.40, 5.47]), (11.9, [4.87, 4.83, 4.98]),
+             (11.7, [4.75, 4.84, 4.85]), (12.3, [4.94, 5.07, 5.14]), (11.7, [4.78, 4.80, 4.79])]
+    assert all(guard.check(_record(i + 1, l, sl, 5.0)) is None for i, (l, sl) in enumerate(curve))
+    # stuck at uniform: trips on the 3rd consecutive step, naming the first bad one
+    guard = DivergenceGuard(t, 128)
+    assert guard.check(_record(1, 18.0, [7.0, 7.0, 7.0], 5.0)) is None
+    results = [guard.check(_record(s, 11.8, [uniform] * 3, 1.0)) for s in (2, 3, 4)]
+    assert results[:2] == [None, None] and "uniform" in results[2][0] and results[2][1] == 2
+    # a streak broken by one good step starts over
+    guard = DivergenceGuard(t, 128)
+    for s, g in ((1, 0.0), (2, 0.0), (3, 1.0), (4, 0.0), (5, 0.0)):
+        assert guard.check(_record(s, 5.0, [1.0], g)) is None
+    found = guard.check(_record(6, 5.0, [1.0], 0.0))
+    assert "gradient norm" in found[0] and found[1] == 4
+    # far above the running minimum
+    guard = DivergenceGuard(t, 128)
+    losses = [4.0, 3.0, 2.0, 9.0, 9.5, 10.0]
+    found = [guard.check(_record(s + 1, l, [1.0], 1.0)) for s, l in enumerate(losses)]
+    assert found[:5] == [None] * 5 and "running minimum" in found[5][0] and found[5][1] == 4
+    # diverge_steps 0: off
+    guard = DivergenceGuard(TrainParams(diverge_steps=0), 128)
+    assert all(guard.check(_record(s, 11.8, [uniform] * 3, 0.0)) is None for s in range(1, 20))
+
+
+def test_last_good_checkpoint_is_older_than_the_first_bad_step(tmp_path):
+    from eagle3lib.train import CHECKPOINT_FILE, last_good_checkpoint
+    for k in (4, 6, 8):
+        (tmp_path / f"step-{k:06d}").mkdir()
+        (tmp_path / f"step-{k:06d}" / CHECKPOINT_FILE).write_bytes(b"x")
+    # step 7's loss was computed with step-6's weights: step-4 is the last good one
+    assert last_good_checkpoint(tmp_path, 7).name == "step-000004"
+    assert last_good_checkpoint(tmp_path, 8).name == "step-000006"
+    assert last_good_checkpoint(tmp_path, 5) is None
+
+
+def test_a_diverged_run_stops_with_the_step_lr_and_last_good_checkpoint(tmp_path, sharp_target_dir):
+    """lr 1e4 collapses the drafter after one step: its output is uniform (loss log(Dv) on every
+    TTT step) and its gradients are exactly 0, so the loss stays finite and the old trainer ran
+    to the end and reported success."""
+    from eagle3lib.train import TrainingDiverged
+    path = make_run(tmp_path, sharp_target_dir, {"max_steps": 20, "resume": False, "lr": 1e4})
+    P = load_params(path)
+    records = []
+    with pytest.raises(TrainingDiverged, match=r"train step 6 \(lr [0-9.e+]+\): the run diverged: the loss stays "
+                                               r"at the uniform level .* since step 2 .*Last good checkpoint: none"):
+        train(P, P.run_dir(), progress=False, callback=records.append)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]                 # stopped at step 6
+    assert not (P.run_dir() / "train" / "final").exists()
+
+
+def test_resume_is_refused_on_another_hidden_state_cache(tmp_path, sharp_target_dir):
+    overrides = {"max_steps": 4, "resume": True}
+    path = make_run(tmp_path, sharp_target_dir, overrides)
+    P = load_params(path)
+    train(P, P.run_dir(), progress=False)
+    again = train(P, P.run_dir(), progress=False)              # unchanged cache: resumed at step 4
+    assert again["steps"] == 4 and again["tokens_per_s_this_run"] == 0
+    manifest = P.run_dir() / "hidden" / "eval" / "manifest.json"
+    original = manifest.read_bytes()
+    changed = json.loads(original)
+    changed["shards"][0]["sha256"] = "0" * 64                  # a repaired / rewritten cache
+    manifest.write_text(json.dumps(changed))
+    with pytest.raises(RuntimeError, match="trained on another hidden-state cache"):
+        train(P, P.run_dir(), progress=False)
+    manifest.write_bytes(original)
+    assert train(P, P.run_dir(), progress=False)["tokens_per_s_this_run"] == 0
+    make_run(tmp_path, sharp_target_dir, overrides, n_train=20)  # re-extracted from other data, same params
+    with pytest.raises(RuntimeError, match="trained on another hidden-state cache"):
+        train(P, P.run_dir(), progress=False)

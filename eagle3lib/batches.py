@@ -1,0 +1,87 @@
+"""Feeding the trainer from the hidden-state cache: length-bucketed micro-batches, padding, and the
+per-dimension scale of the aux states (train.fc_input_scaling) with its folding into fc.
+
+    for mb in bucket_batches(cache.lengths, batch_tokens, seed, epoch):   # lists of sequence indices
+        batch = collate([cache.get(i) for i in mb], batch_tokens)         # padded tensors, see collate
+    s = aux_scale(cache)                                                  # [3, H]; fc trains on aux / s
+    final_state = fold_aux_scale(trained_state, s)                        # the same function on raw aux
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def bucket_batches(lengths: list, batch_tokens: int, seed: int, epoch: int) -> list:
+    """Length-bucketed micro-batches of sequence indices, each with B * max_len <= batch_tokens.
+    A pure function of (lengths, batch_tokens, seed, epoch): sequences are sorted by length
+    (ties in a seeded random order), packed greedily, then the batch order is shuffled."""
+    g = torch.Generator().manual_seed(seed * 1000003 + epoch)
+    tiebreak = torch.randperm(len(lengths), generator=g).tolist()
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], tiebreak[i]))
+    batches, cur, cur_max = [], [], 0
+    for i in order:
+        n = min(lengths[i], batch_tokens)
+        if cur and max(cur_max, n) * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, cur_max = [], 0
+        cur.append(i)
+        cur_max = max(cur_max, n)
+    if cur:
+        batches.append(cur)
+    perm = torch.randperm(len(batches), generator=g).tolist()
+    return [batches[k] for k in perm]
+
+
+def collate(items: list, max_len: int) -> dict:
+    """Right-pad cache items: input_ids [B, T] long, loss_mask [B, T] bool, aux [B, T, 3, H],
+    final [B, T, H] (cache dtype), lengths [B]. Sequences are cut at max_len."""
+    lengths = [min(len(it["input_ids"]), max_len) for it in items]
+    T, B = max(lengths), len(items)
+    H = items[0]["final"].shape[-1]
+    ids = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    aux = torch.zeros(B, T, *items[0]["aux"].shape[1:], dtype=items[0]["aux"].dtype)
+    final = torch.zeros(B, T, H, dtype=items[0]["final"].dtype)
+    for k, (it, n) in enumerate(zip(items, lengths)):
+        ids[k, :n] = it["input_ids"][:n]
+        mask[k, :n] = it["loss_mask"][:n].bool()
+        aux[k, :n] = it["aux"][:n]
+        final[k, :n] = it["final"][:n]
+    return {"input_ids": ids, "loss_mask": mask, "aux": aux, "final": final, "lengths": torch.tensor(lengths)}
+
+
+def aux_scale(cache, max_tokens: int = 16384) -> torch.Tensor:
+    """Robust per-dimension scale s [3, H] (fp32) of the cached aux states: median |x| / 0.6745
+    (the std of a Gaussian) over the first `max_tokens` tokens of the cache (fewer for wide
+    targets: at most 64M values, 2.9k tokens at H=7168), floored at 1e-3 of
+    the layer's median scale. Deterministic: a function of the cache only, so a resumed run
+    recomputes the same s. The median ignores the few attention-sink positions whose values are
+    thousands of times the rest."""
+    rows, n = [], 0
+    for i in range(len(cache)):
+        a = cache.get(i)["aux"]                                               # [n_i, 3, H]
+        if not rows:
+            max_tokens = max(1, min(max_tokens, (64 << 20) // a[0].numel()))  # a[0]: 3H values
+        a = a[: max_tokens - n].float()
+        rows.append(a)
+        n += len(a)
+        if n >= max_tokens:
+            break
+    if not rows:
+        raise ValueError("aux_scale: the hidden-state cache is empty")
+    a = torch.cat(rows)                                                       # [N, 3, H]
+    s = a.abs().median(dim=0).values / 0.6745                                 # [3, H]
+    floor = 1e-3 * s.median(dim=-1, keepdim=True).values.clamp(min=1e-6)      # [3, 1]
+    return torch.maximum(s, floor).contiguous()
+
+
+def fold_aux_scale(state: dict, scale: Optional[torch.Tensor]) -> dict:
+    """Drafter state trained on aux / s -> the same function on raw aux: fc.weight[:, d] / s[d]."""
+    if scale is None:
+        return state
+    w = state["fc.weight"]                                                    # [H, 3H]
+    folded = (w.float() / scale.reshape(1, -1).to(w.device)).to(w.dtype)
+    return {**state, "fc.weight": folded}
+
