@@ -20,13 +20,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eagle3lib.decode import random_drafter  # noqa: E402
+from eagle3lib.evaluate import eval_prompts, vllm_modes  # noqa: E402
+from eagle3lib.export import export_vllm  # noqa: E402
 from eagle3lib.files import atomic_write_json  # noqa: E402
 from eagle3lib.params import load_params  # noqa: E402
+from eagle3lib.target import load_tokenizer, target_path  # noqa: E402
+from eagle3lib.vllm_bench import run_vllm  # noqa: E402
 
 
 def random_export(target_dir: Path, out: Path, k: int, draft_vocab_size: int) -> Path:
-    from eagle3lib.decode import random_drafter
-    from eagle3lib.export import export_vllm
     return export_vllm(random_drafter(target_dir, draft_vocab_size=draft_vocab_size), out, target_dir, k=k)
 
 
@@ -41,21 +44,18 @@ def main(argv=None) -> None:
     ap.add_argument("--batched", action="store_true", help="all prompts in one generate call")
     args = ap.parse_args(argv)
 
-    from eagle3lib.evaluate import eval_prompts, vllm_modes
-    from eagle3lib.target import load_tokenizer, target_path
-    from eagle3lib.vllm_bench import run_vllm
-
     P = load_params(args.params)
     k = args.k or P.eval.k
     tdir = target_path(P)
     prompts, skipped = eval_prompts(P, P.run_dir(), load_tokenizer(tdir), limit=args.prompts)
-    export = Path(args.export) if args.export else P.run_dir() / "export"
+    default_export = P.layout().export
+    export = Path(args.export) if args.export else default_export
     tmp = tempfile.TemporaryDirectory(prefix="bench-decode-")
     if (export / "config.json").is_file():
         drafter_note = f"trained drafter {export}"
     else:
         export = random_export(tdir, Path(tmp.name) / "random_export", k, P.data.draft_vocab_size)
-        drafter_note = (f"RANDOM drafter (no export at {P.run_dir() / 'export'}; run the pipeline first): "
+        drafter_note = (f"RANDOM drafter (no export at {default_export}; run the pipeline first): "
                         "acceptance ~0, the EAGLE-3 row is drafting overhead only")
     modes = vllm_modes([(k, P.eval.prompt_lookup_min, P.eval.prompt_lookup_max)], export, k)
     spec = {"target": str(tdir), "dtype": args.dtype, "prompts": [p["input_ids"] for p in prompts],

@@ -30,6 +30,10 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
+from transformers import AutoConfig, DynamicCache
+
+from .model import DraftKVCache, Eagle3Config, Eagle3Drafter
+from .target import load_target_tensors, text_config
 
 # ---------------------------------------------------------------------------------------------
 # Statistics
@@ -146,7 +150,6 @@ def _eos_set(eos_token_id) -> set:
 
 
 def _new_cache(target):
-    from transformers import DynamicCache
     return DynamicCache(config=target.config)
 
 
@@ -300,7 +303,6 @@ class Eagle3Proposer(Proposer):
         self.vocab_size = drafter.config.vocab_size
 
     def start(self, prompt):
-        from .model import DraftKVCache
         self.cache = DraftKVCache()
         self.num_true = 0               # positions 0..num_true-1 are in the cache with true g's
         self.pending_g = []             # fused g's of target positions num_true.. (not yet fed)
@@ -358,9 +360,6 @@ def random_drafter(target_path, aux_layer_ids=None, draft_vocab_size: Optional[i
     """An untrained Eagle3Drafter for `target_path` (random weights, lm_head from the target's
     head rows). With draft_vocab_size None or equal to V the draft vocabulary is the whole
     target vocabulary; otherwise the lowest ids (a plumbing test, not a frequency vocabulary)."""
-    from transformers import AutoConfig
-    from .model import Eagle3Config, Eagle3Drafter
-    from .target import load_target_tensors, text_config
     cfg = text_config(AutoConfig.from_pretrained(str(target_path)))
     V, N = cfg.vocab_size, cfg.num_hidden_layers
     dv = V if draft_vocab_size is None else int(draft_vocab_size)

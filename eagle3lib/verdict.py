@@ -1,0 +1,157 @@
+"""The generated report of an evaluation: verdict sentences and plots, computed from the summary
+tables of `evaluate` (one row per method; the baseline row is named PLAIN), never written by hand.
+
+    text = verdict(summary, vllm_summary, eagle3="eagle3_k3", ngram="ngram_k3_n1-4")   # 05_eval
+    text = ngram_verdict(summary, vllm_summary)                                        # 01_ngram_baseline
+    fig = plot_speed_and_acceptance(summary, vllm_summary)
+
+Speedups within TIE of 1.0 read as "no measurable difference" (timings on a busy CPU are noisy).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+PLAIN = "plain"   # the baseline method's name in every summary table (plain decoding, no drafts)
+
+# ---------------------------------------------------------------------------------------------
+# Verdicts: sentences computed from the numbers
+# ---------------------------------------------------------------------------------------------
+
+TIE = 0.05   # speedups within 5% of 1.0 count as "no measurable difference"
+
+
+def speed_phrase(speedup: float) -> str:
+    if speedup >= 1 + TIE:
+        return f"{speedup:.2f}x faster than plain decoding"
+    if speedup <= 1 - TIE:
+        return f"SLOWER than plain decoding ({speedup:.2f}x, i.e. {1 / speedup:.2f}x the time)"
+    return f"no measurable change versus plain decoding ({speedup:.2f}x)"
+
+
+def row_of(df, method: str):
+    """The first row of `df` for `method` (None when the table or the method is missing)."""
+    if df is None or df.empty:
+        return None
+    hit = df[df["method"] == method]
+    return None if hit.empty else hit.iloc[0]
+
+
+def method_sentences(summary, where: str) -> list:
+    """One sentence per speculative method of a summary table."""
+    out = []
+    for _, r in summary.iterrows():
+        if r["method"] == PLAIN:
+            continue
+        line = (f"{where}: {r['method']} is {speed_phrase(r['speedup'])}, "
+                f"mean acceptance length {r['acceptance_length']:.2f} of at most {int(r['k']) + 1}")
+        if r["accepted"] == 0 and r["speedup"] >= 1 + TIE:
+            line += " (nothing was accepted, so the apparent gain is measurement noise)"
+        out.append(line + f"; {int(r['new_tokens'])} tokens measured.")
+    return out
+
+
+def best_method(summary, prefix: str):
+    """The row with the highest speedup among methods starting with `prefix` (None if none)."""
+    rows = summary[summary["method"].str.startswith(prefix)]
+    return None if rows.empty else rows.loc[rows["speedup"].idxmax()]
+
+
+def ngram_verdict(summary, vllm_summary=None) -> str:
+    """Per backend: the best n-gram setting and, honestly, whether it beats plain decoding."""
+    lines = []
+    for where, table in (("eagle3lib", summary), ("vLLM", vllm_summary)):
+        if table is None or table.empty:
+            continue
+        best = best_method(table, "ngram")
+        if best is None:
+            continue
+        if best["speedup"] <= 1 - TIE:
+            head = f"{where}: n-gram is SLOWER than plain decoding in every setting tried"
+        elif best["speedup"] < 1 + TIE:
+            head = f"{where}: n-gram makes no measurable difference"
+        else:
+            head = f"{where}: n-gram speeds decoding up"
+        lines.append(f"{head}; best {best['method']} at {best['speedup']:.2f}x plain "
+                     f"({best['tokens_per_s']:.1f} vs {table.loc[table['method'] == PLAIN, 'tokens_per_s'].iloc[0]:.1f}"
+                     f" decode tokens/s), acceptance length {best['acceptance_length']:.2f}.")
+        lines += method_sentences(table, where)
+    return "\n".join(lines)
+
+
+def verdict(summary, vllm_summary=None, eagle3: Optional[str] = None, ngram: Optional[str] = None) -> str:
+    """A verdict computed from the numbers: per-backend speed of every method versus plain, and,
+    when both are given, EAGLE-3 versus n-gram and the eagle3lib/vLLM acceptance agreement."""
+    lines = method_sentences(summary, "eagle3lib")
+    if vllm_summary is not None and not vllm_summary.empty:
+        lines += method_sentences(vllm_summary, "vLLM")
+    for name, table in (("vLLM", vllm_summary), ("eagle3lib", summary)):
+        e, n = row_of(table, eagle3) if eagle3 else None, row_of(table, ngram) if ngram else None
+        if e is not None and n is not None:
+            rel = e["tokens_per_s"] / n["tokens_per_s"] if n["tokens_per_s"] > 0 else float("nan")
+            word = "beats" if rel >= 1 + TIE else ("loses to" if rel <= 1 - TIE else "ties with")
+            note = (" Neither had a draft accepted: the difference is drafting overhead and noise."
+                    if e["accepted"] == 0 and n["accepted"] == 0 else "")
+            lines.append(f"{name}: EAGLE-3 {word} n-gram ({rel:.2f}x its tokens/s; acceptance length "
+                         f"{e['acceptance_length']:.2f} vs {n['acceptance_length']:.2f}).{note}")
+            break
+    if eagle3 and vllm_summary is not None:
+        a, b = row_of(summary, eagle3), row_of(vllm_summary, eagle3)
+        if a is not None and b is not None:
+            rel = abs(a["acceptance_length"] - b["acceptance_length"]) / a["acceptance_length"]
+            agree = "agree" if rel <= 0.15 else "DISAGREE"
+            lines.append(f"Acceptance length eagle3lib {a['acceptance_length']:.2f} vs vLLM "
+                         f"{b['acceptance_length']:.2f}: they {agree} ({rel:.0%} apart; the prompt sets may differ"
+                         f" in size).")
+    lossy = [r["method"] for _, r in summary.iterrows() if r["method"] != PLAIN and
+             r["lossless"].split("/")[0] != r["lossless"].split("/")[1]]
+    if lossy:
+        lines.append(f"Outputs differ from plain greedy for {', '.join(lossy)} on some prompts "
+                     "(expected only in bf16 or at T > 0; in fp32 at T=0 this would be a bug).")
+    return "\n".join(lines)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Plots
+# ---------------------------------------------------------------------------------------------
+
+
+def plot_speed_and_acceptance(summary, vllm_summary=None, title: str = ""):
+    """Bar charts: speedup versus plain (eagle3lib and vLLM) and mean acceptance length."""
+    import matplotlib.pyplot as plt   # lazy: matplotlib is only needed when a notebook draws
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    tables = [("eagle3lib", summary)] + ([("vLLM", vllm_summary)] if vllm_summary is not None else [])
+    width = 0.8 / len(tables)
+    methods = list(dict.fromkeys(m for _, t in tables for m in t["method"]))
+    for j, (name, t) in enumerate(tables):
+        t = t.set_index("method")
+        xs = [i + j * width for i, m in enumerate(methods) if m in t.index]
+        ms = [m for m in methods if m in t.index]
+        axes[0].bar(xs, [t.loc[m, "speedup"] for m in ms], width, label=name)
+        axes[1].bar(xs, [t.loc[m, "acceptance_length"] for m in ms], width, label=name)
+    for ax, label in zip(axes, ("speedup vs plain (tokens/s ratio)", "mean acceptance length")):
+        ax.set_xticks([i + width * (len(tables) - 1) / 2 for i in range(len(methods))])
+        ax.set_xticklabels(methods, rotation=20)
+        ax.set_ylabel(label)
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def plot_per_position(tables: dict, title: str = "per-position acceptance"):
+    """tables: {label: per_position_table DataFrame}; one line per (label, method)."""
+    import matplotlib.pyplot as plt   # lazy: matplotlib is only needed when a notebook draws
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for label, t in tables.items():
+        for method, row in t.iterrows():
+            ax.plot(list(row.index), list(row.values), marker="o", label=f"{label}: {method}")
+    ax.set_xlabel("draft position")
+    ax.set_xticks(sorted({int(c) for t in tables.values() for c in t.columns}))
+    ax.set_ylabel("acceptance rate (accepted there / rounds)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
