@@ -90,7 +90,7 @@ def main(argv=None):
         Pb = load_params(args.params, overrides={
             "output_dir": tmp, "extract": {"batch_tokens": args.batch * args.seq,
                                            "shard_tokens": 2 * args.batch * args.seq}})
-        summaries.append(extract_hidden_states(Pb, Pb.run_dir(), "train", model=model, dataset=ds, progress=False))
+        summaries.append(extract_hidden_states(Pb, Pb.layout(), "train", model=model, dataset=ds, progress=False))
 
     methods = {
         "bare forward": lambda tmp: [bare_forward(model, ids, mask) for ids in batches],

@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle3lib import cache as hc
 from eagle3lib import extract as ex
-from eagle3lib.extract import CacheError, HiddenCache, HiddenStateCapture, extract_hidden_states
+from eagle3lib.cache import CacheError, HiddenCache, check_cache
+from eagle3lib.extract import HiddenStateCapture, extract_hidden_states
 from eagle3lib.params import ParamsError, load_params
 from eagle3lib.target import load_target
 
@@ -61,15 +63,15 @@ def clean_run(tiny_target_dir, tmp_path_factory, dataset):
     out = tmp_path_factory.mktemp("clean")
     P = make_params(tiny_target_dir, out)
     summary = extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
-    return P, summary, shard_bytes(ex.hidden_dir(P.run_dir(), "train"))
+    return P, summary, shard_bytes(P.layout().hidden("train"))
 
 
 # ---- plan ------------------------------------------------------------------------------------
 def test_plan_is_deterministic_and_respects_budgets():
     rng = random.Random(1)
     lengths = [rng.randint(0, 300) for _ in range(500)]
-    plans = ex.plan_shards(lengths, shard_tokens=2000, batch_tokens=700)
-    assert [p.seq_index for p in plans] == [p.seq_index for p in ex.plan_shards(lengths, 2000, 700)]
+    plans = hc.plan_shards(lengths, shard_tokens=2000, batch_tokens=700)
+    assert [p.seq_index for p in plans] == [p.seq_index for p in hc.plan_shards(lengths, 2000, 700)]
     rows = [i for p in plans for i in p.seq_index]
     assert sorted(rows) == [i for i, n in enumerate(lengths) if n > 0]       # each non-empty row once
     assert all(lengths[a] >= lengths[b] for a, b in zip(rows, rows[1:]))     # longest first
@@ -79,7 +81,7 @@ def test_plan_is_deterministic_and_respects_budgets():
         for s, e in p.batches:
             assert (e - s) * p.lengths[s] <= 700 or e - s == 1
     # a sequence longer than the batch budget runs alone
-    solo = ex.plan_shards([900, 10, 10], shard_tokens=10_000, batch_tokens=700)
+    solo = hc.plan_shards([900, 10, 10], shard_tokens=10_000, batch_tokens=700)
     assert solo[0].batches == [(0, 1), (1, 3)]
 
 
@@ -119,13 +121,13 @@ def test_extract_roundtrip_fp32_matches_forward(tiny_target_dir, tiny_model, tmp
     assert s["complete"] and s["num_sequences"] == len(nonempty) and s["num_tokens"] == sum(LENGTHS)
     assert s["empty_rows_skipped"] == 1 and s["num_shards"] > 3
 
-    cache = HiddenCache(ex.hidden_dir(P.run_dir(), "train"))
+    cache = HiddenCache(P.layout().hidden("train"))
     assert len(cache) == len(nonempty) and cache.seq_index == nonempty
     assert cache.lengths == [LENGTHS[i] for i in nonempty]
     assert cache.hidden_size == 64 and cache.aux_layers == AUX and cache.verify()
     m = cache.manifest
-    assert m["params_hash"] == P.section_hash("data", "extract") and m["dtype"] == "float32"
-    assert Path(m["target_path"]) == Path(tiny_target_dir)
+    assert m.header.params_hash == P.section_hash("data", "extract") and m.header.dtype == "float32"
+    assert Path(m.header.target_path) == Path(tiny_target_dir)
     for i, row in enumerate(nonempty):
         item = cache.get(i)
         assert item["input_ids"].dtype == torch.long and item["input_ids"].tolist() == dataset[row]["input_ids"]
@@ -145,7 +147,7 @@ def test_extract_roundtrip_fp32_matches_forward(tiny_target_dir, tiny_model, tmp
 def test_shard_file_is_plain_safetensors_with_exact_size(clean_run):
     from safetensors.torch import load_file
     P, summary, shards = clean_run
-    out = ex.hidden_dir(P.run_dir(), "train")
+    out = P.layout().hidden("train")
     H, total = 64, 0
     for rec in json.loads((out / "manifest.json").read_text())["shards"]:
         t = load_file(str(out / rec["file"]))
@@ -162,11 +164,11 @@ def test_shard_file_is_plain_safetensors_with_exact_size(clean_run):
 
 def test_rerun_skips_verified_shards_and_redoes_corrupt_ones(clean_run, tiny_target_dir, tmp_path, dataset):
     P = make_params(tiny_target_dir, tmp_path)
-    dataset.save_to_disk(str(P.run_dir() / "data" / "train"))     # where the data stage puts it
+    dataset.save_to_disk(str(P.layout().data_split("train")))     # where the data stage puts it
     first = extract_hidden_states(P, P.run_dir(), "train", progress=False)
     again = extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
     assert first["shards_written"] == first["num_shards"] and again["shards_written"] == 0
-    out = ex.hidden_dir(P.run_dir(), "train")
+    out = P.layout().hidden("train")
     victim = out / "shard-00001.safetensors"
     data = bytearray(victim.read_bytes())
     data[-3] ^= 0xFF
@@ -193,7 +195,7 @@ def test_partial_cache_is_refused_by_reader(tiny_target_dir, tmp_path, dataset, 
     """A failed write (disk full in the middle) leaves no temp file and no half shard; the
     reader refuses the unfinished cache; a rerun finishes it."""
     P = make_params(tiny_target_dir, tmp_path)
-    real = ex._preallocate
+    real = hc._preallocate
     calls = []
 
     def full_after_two(fd, size):
@@ -201,10 +203,10 @@ def test_partial_cache_is_refused_by_reader(tiny_target_dir, tmp_path, dataset, 
         if len(calls) > 2:
             raise OSError(28, "No space left on device")
         real(fd, size)
-    monkeypatch.setattr(ex, "_preallocate", full_after_two)
+    monkeypatch.setattr(hc, "_preallocate", full_after_two)
     with pytest.raises(CacheError, match="No space left on device.*rerun"):
         extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
-    out = ex.hidden_dir(P.run_dir(), "train")
+    out = P.layout().hidden("train")
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "shard-00000.safetensors",
                                                      "shard-00001.safetensors"]
     m = json.loads((out / "manifest.json").read_text())
@@ -212,9 +214,113 @@ def test_partial_cache_is_refused_by_reader(tiny_target_dir, tmp_path, dataset, 
     with pytest.raises(CacheError, match="unfinished"):
         HiddenCache(out)
     assert len(HiddenCache(out, allow_partial=True)) == sum(len(r["seq_index"]) for r in m["shards"])
-    monkeypatch.setattr(ex, "_preallocate", real)
+    monkeypatch.setattr(hc, "_preallocate", real)
     done = extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
     assert done["complete"] and done["shards_skipped"] == 2
+
+
+# ---- what the trainer checks before it reads a cache --------------------------------------------
+def copy_cache(src: Path, dst: Path) -> Path:
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_verify_names_each_bad_shard_and_the_fix(clean_run, tmp_path):
+    out = copy_cache(clean_run[0].layout().hidden("train"), tmp_path / "copy")
+    assert HiddenCache(out).verify() is True                               # intact: passes
+    m = json.loads((out / "manifest.json").read_text())
+    assert len(m["shards"]) >= 3
+    victim = out / "shard-00002.safetensors"                               # flip bytes inside the aux states
+    data = bytearray(victim.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 4] = bytes(b ^ 0x5A for b in data[middle:middle + 4])
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CacheError, match=r"1 bad shard\(s\): shard-00002\.safetensors: sha256 differs.*"
+                                         r"rerun 03_extract: eagle3 run --params <profile> --only extract"):
+        HiddenCache(out).verify()
+    size = m["shards"][1]["bytes"]                                         # a size other than recorded
+    m["shards"][1]["bytes"] = size + 10
+    (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(CacheError, match=rf"2 bad shard\(s\): shard-00001\.safetensors: size {size} bytes, "
+                                         rf"the manifest says {size + 10}; shard-00002\.safetensors: sha256 differs"):
+        HiddenCache(out).verify()
+    short = out / "shard-00001.safetensors"                                # truncated: unreadable, named
+    short.write_bytes(short.read_bytes()[:-10])
+    with pytest.raises(CacheError, match=r"shard-00001\.safetensors: unreadable shard .*--only extract"):
+        HiddenCache(out)
+
+
+def test_fingerprint_is_a_content_id_from_the_manifest(clean_run, tiny_target_dir, tmp_path, dataset):
+    src = clean_run[0].layout().hidden("train")
+    fp = HiddenCache(src).fingerprint
+    assert len(fp) == 64 and int(fp, 16) >= 0
+    copy = copy_cache(src, tmp_path / "copy")
+    assert HiddenCache(copy).fingerprint == fp                             # same bytes elsewhere: same id
+    m = json.loads((copy / "manifest.json").read_text())
+    m["shards"][0]["sha256"] = "0" * 64                                    # other shard content: another id
+    (copy / "manifest.json").write_text(json.dumps(m))
+    assert HiddenCache(copy).fingerprint != fp
+    P = make_params(tiny_target_dir, tmp_path / "other")                   # other data: another id
+    extract_hidden_states(P, P.layout(), "train", dataset=dataset.select(range(6)), progress=False)
+    assert HiddenCache(P.layout().hidden("train")).fingerprint != fp
+
+
+def test_check_cache_refuses_stale_params_and_corrupt_shards(tiny_target_dir, tmp_path, dataset):
+    P = make_params(tiny_target_dir, tmp_path)
+    layout = P.layout()
+    extract_hidden_states(P, layout, "train", dataset=dataset, progress=False)
+    cache = check_cache(P, layout, "train")                                # intact, same params: passes
+    assert isinstance(cache, HiddenCache) and len(cache) == 14 and cache.seq_index[0] == 0
+    # num_train changed (resume: false would train on the old cache): refused, naming folder and stage
+    P2 = load_params("params/ci.yaml", overrides={**P.to_dict(), "data": {**P.to_dict()["data"],
+                                                                          "num_train": P.data.num_train + 1}})
+    assert P2.layout() == layout
+    folder = str(layout.hidden("train"))
+    with pytest.raises(CacheError, match=rf"{folder} was extracted with other params \(params_hash "
+                                         rf"'{P.section_hash('data', 'extract')}'.*--only data,extract"):
+        check_cache(P2, P2.layout(), "train")
+    with pytest.raises(CacheError, match=r"no manifest\.json.*--only extract"):
+        check_cache(P, layout, "eval")                                     # never extracted
+    victim = layout.hidden("train") / "shard-00000.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CacheError, match=r"shard-00000\.safetensors: sha256 differs.*--only extract"):
+        check_cache(P, layout, "train")
+
+
+def test_writer_refuses_states_of_the_wrong_shape(tmp_path):
+    """A backend that hands over the wrong width, dtype or too many rows gets a clear error and
+    leaves neither a shard nor a temp file."""
+    plan = hc.plan_shards([4, 3], shard_tokens=100, batch_tokens=100)[0]
+    header = hc.CacheHeader(format=hc.FORMAT, format_version=hc.FORMAT_VERSION, dtype="bfloat16",
+                            aux_layers=[1, 2, 3], hidden_size=8)
+    bad = {"width": (torch.zeros(4, 3, 9, dtype=torch.bfloat16), torch.zeros(4, 9, dtype=torch.bfloat16)),
+           "dtype": (torch.zeros(4, 3, 8), torch.zeros(4, 8)),
+           "rows": (torch.zeros(8, 3, 8, dtype=torch.bfloat16), torch.zeros(8, 8, dtype=torch.bfloat16))}
+    for name, (aux, final) in bad.items():
+        with pytest.raises(CacheError, match=r"shard-00000\.safetensors: states for rows 0\.\.\d+ of 7.*expected "
+                                             r"\(\d+, 3, 8\), \(\d+, 8\) in bfloat16"):
+            with hc.CacheWriter(tmp_path, header, {}, 1, tmp_path / "manifest.json") as w:
+                w.start_shard(plan, [[1, 2, 3, 4], [5, 6, 7]], [[0, 1, 1, 1], [0, 0, 1]])
+                w.write_rows(aux, final)
+        assert list(tmp_path.iterdir()) == [], name
+
+
+def test_manifest_reader_refuses_foreign_or_malformed_files(clean_run, tmp_path):
+    copy = copy_cache(clean_run[0].layout().hidden("train"), tmp_path / "copy")
+    m = hc.read_manifest(copy / "manifest.json")
+    assert m.complete and m.header.split == "train" and [r.index for r in m.shards] == list(range(m.num_shards))
+    assert m.to_json() == json.loads((copy / "manifest.json").read_text())     # the reader loses nothing
+    for broken, why in (('{"format": "something-else"}', "is not a eagle3lab-hidden-cache version 1 manifest"),
+                        (json.dumps({**m.to_json(), "format_version": 2}), "is not a .* version 1 manifest"),
+                        ("{not json", "unreadable manifest"),
+                        (json.dumps({**m.to_json(), "surprise": 1}), r"malformed .*unknown field\(s\) \['surprise'\]")):
+        (copy / "manifest.json").write_text(broken)
+        with pytest.raises(CacheError, match=why + ".*--only extract"):
+            HiddenCache(copy)
 
 
 # ---- SIGKILL and restart ---------------------------------------------------------------------
@@ -255,7 +361,7 @@ def test_sigkill_then_restart_gives_identical_bytes(clean_run, tiny_target_dir, 
     dataset.save_to_disk(str(tmp_path / "ds"))
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    out = ex.hidden_dir(P.run_dir(), "train")
+    out = P.layout().hidden("train")
     proc = subprocess.Popen([sys.executable, str(script), str(profile), str(tmp_path / "ds"), "0.4"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.time() + 120
@@ -271,7 +377,7 @@ def test_sigkill_then_restart_gives_identical_bytes(clean_run, tiny_target_dir, 
     assert resumed["complete"] and resumed["shards_skipped"] == len(done_before)
     assert not list(out.glob(".*tmp"))
     assert shard_bytes(out) == clean_run[2]
-    clean_manifest = json.loads((ex.hidden_dir(clean_run[0].run_dir(), "train") / "manifest.json").read_text())
+    clean_manifest = json.loads((clean_run[0].layout().hidden("train") / "manifest.json").read_text())
     assert json.loads((out / "manifest.json").read_text())["shards"] == clean_manifest["shards"]
 
 
@@ -291,11 +397,11 @@ def test_torchrun_two_ranks_equal_single_process(clean_run, tiny_target_dir, tmp
     import re
     per_rank = [int(n) for n in re.findall(r"'shards_written': (\d+)", r.stdout)]
     assert len(per_rank) == 2 and min(per_rank) > 0 and sum(per_rank) == clean_run[1]["num_shards"]
-    out = ex.hidden_dir(load_params(profile).run_dir(), "train")
+    out = load_params(profile).layout().hidden("train")
     assert not list(out.glob("manifest.part-*"))                  # merged by rank 0
     assert shard_bytes(out) == clean_run[2]
     merged = json.loads((out / "manifest.json").read_text())
-    clean_manifest = json.loads((ex.hidden_dir(clean_run[0].run_dir(), "train") / "manifest.json").read_text())
+    clean_manifest = json.loads((clean_run[0].layout().hidden("train") / "manifest.json").read_text())
     assert merged["complete"] and merged["shards"] == clean_manifest["shards"]
     assert HiddenCache(out).verify()
 
@@ -324,7 +430,15 @@ def test_aux_layers_out_of_range(tiny_target_dir, tiny_model, tmp_path, dataset)
     P.extract.aux_layers = [1, 3, 99]                                        # bypassing validation
     with pytest.raises(ParamsError, match=r"out of range.*6 decoder layers \(valid ids 0..5"):
         extract_hidden_states(P, P.run_dir(), "train", model=tiny_model, dataset=dataset, progress=False)
-    assert not list(ex.hidden_dir(P.run_dir(), "train").glob("shard-*"))
+    assert not list(P.layout().hidden("train").glob("shard-*"))
+
+
+def test_cuda_requested_without_a_gpu(tiny_target_dir, tmp_path, dataset, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)        # also on a GPU machine
+    P = make_params(tiny_target_dir, tmp_path, device="cuda")
+    with pytest.raises(CacheError, match="extract.device: cuda requested but torch sees no GPU"):
+        extract_hidden_states(P, P.layout(), "train", dataset=dataset, progress=False)
+    assert not list(P.layout().hidden("train").glob("shard-*"))
 
 
 def test_empty_and_malformed_datasets(tiny_target_dir, tmp_path):
