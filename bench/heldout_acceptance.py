@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3lib.export import load_drafter  # noqa: E402
-from eagle3lib.extract import HiddenCache  # noqa: E402
+from eagle3lib.cache import HiddenCache  # noqa: E402
 from eagle3lib.objective import acceptance_estimate, build_scoring, replay_chain  # noqa: E402
 from eagle3lib.params import load_params  # noqa: E402
 from eagle3lib.target import target_path  # noqa: E402

@@ -28,14 +28,14 @@ from typing import Optional, Sequence
 
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 
 from .data import load_eval_prompts
 from .decode import (DecodeStats, Eagle3Proposer, NgramProposer, NoProposer, greedy_generate,
                      speculative_generate)
 from .layout import RunLayout
-from .verdict import PLAIN, best_method, ngram_verdict, row_of, verdict
+from .progress import tqdm
 from .target import eos_ids, load_target, load_tokenizer, target_path
+from .verdict import PLAIN, best_method, ngram_verdict, row_of, verdict
 from .vllm_bench import mode, run_vllm
 
 

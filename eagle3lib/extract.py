@@ -30,7 +30,6 @@ import pyarrow.compute as pc
 import torch
 from datasets import Dataset, load_from_disk
 from torch import nn
-from tqdm.auto import tqdm
 from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
 from .cache import (MANIFEST, CacheError, CacheHeader, CacheWriter, HiddenCache, Manifest, identity,
@@ -39,6 +38,7 @@ from .cache import (MANIFEST, CacheError, CacheHeader, CacheWriter, HiddenCache,
 from .dist import Dist
 from .layout import RunLayout
 from .params import Params, ParamsError
+from .progress import tqdm
 from .target import load_target, target_path, text_config, torch_dtype
 
 

@@ -52,22 +52,21 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
-from tqdm.auto import tqdm
 
 from .batches import aux_scale, bucket_batches, collate, fold_aux_scale
+from .cache import MANIFEST, HiddenCache, check_cache
 from .dist import Dist
-from .extract import HiddenCache
 from .files import atomic_dir, atomic_write_json, read_json
 from .layout import RunLayout
 from .model import Eagle3Config, Eagle3Drafter
 from .objective import Scoring, TTTObjective, add_feature_noise, build_scoring, evaluate, prepare_batch
 from .params import Params, TrainParams, load_params
+from .progress import tqdm
 from .target import load_target_layer, load_target_tensors, target_path
 from .vocab import load_vocab
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
 KEEP_CHECKPOINTS = 2
-CACHE_MANIFEST = "manifest.json"          # the hidden-state cache's manifest (extract.py's format)
 
 
 # ==== schedule, optimizer =======================================================================
@@ -208,16 +207,11 @@ def training_identity(P: Params, cache_fingerprint: Optional[str] = None) -> str
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def cache_fingerprint(layout: RunLayout) -> str:
-    """sha256 (16 hex digits) of the train and eval caches' manifest.json bytes. A manifest lists
-    every shard's sha256, so this names the cache's content: a re-extracted or repaired cache (or
-    another one) gets another fingerprint. A missing eval cache counts as empty."""
-    h = hashlib.sha256()
-    for split in ("train", "eval"):
-        manifest = layout.hidden(split) / CACHE_MANIFEST
-        h.update(f"{split}:".encode())
-        h.update(manifest.read_bytes() if manifest.is_file() else b"")
-    return h.hexdigest()[:16]
+def cache_fingerprint(train_cache: HiddenCache, eval_cache: Optional[HiddenCache]) -> str:
+    """16 hex digits naming the content of the caches trained and evaluated on (HiddenCache.fingerprint
+    covers every shard's sha256): a re-extracted, repaired or replaced cache gets another one."""
+    blob = f"train:{train_cache.fingerprint}|eval:{eval_cache.fingerprint if eval_cache is not None else ''}"
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 # ==== divergence guard ==========================================================================
@@ -431,7 +425,10 @@ def setup(P: Params, layout: RunLayout, dist: Dist, device: torch.device) -> Tra
     """Data, drafter, scoring, optimizers and schedule; resumes from the newest checkpoint when
     train.resume is on; the held-out batches of hidden/eval (none when that cache is missing)."""
     t = P.train
-    cache = HiddenCache(layout.hidden("train"))
+    # the caches must be this run's (params hash) and intact (every shard's sha256, read on rank 0)
+    cache = check_cache(P, layout, "train", verify=dist.rank == 0)
+    eval_cache = check_cache(P, layout, "eval", verify=dist.rank == 0) \
+        if (layout.hidden("eval") / MANIFEST).is_file() else None
     d2t, t2d = load_vocab(layout.vocab)
     scale = aux_scale(cache) if t.fc_input_scaling else None                # [3, H] or None
     # noise is in units of s: the batch already holds aux / s when fc_input_scaling is on
@@ -441,14 +438,13 @@ def setup(P: Params, layout: RunLayout, dist: Dist, device: torch.device) -> Tra
     model = wrap_model(scoring.objective, t.distributed, dist)
     optimizers = make_optimizers_for(model, t)
     usable, per_step, steps_per_epoch, total_steps = schedule(cache, t, P.seed, dist.world)
-    fingerprint = cache_fingerprint(layout)
+    fingerprint = cache_fingerprint(cache, eval_cache)
     run = TrainRun(P, layout, dist, device, cache, usable, [cache.lengths[i] for i in usable], scoring, noise_scale,
                    model, optimizers, steps_per_epoch, per_step, total_steps,
                    training_identity(P, fingerprint), fingerprint)
     resume(run)
-    eval_path = layout.hidden("eval")
-    if (eval_path / CACHE_MANIFEST).is_file():
-        run.eval_batches = scoring.heldout(HiddenCache(eval_path), t.eval_sequences, t.batch_tokens, device)
+    if eval_cache is not None:
+        run.eval_batches = scoring.heldout(eval_cache, t.eval_sequences, t.batch_tokens, device)
     return run
 
 

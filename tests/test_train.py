@@ -2,7 +2,7 @@
 and DDP / FSDP with 2 gloo processes against single-process training with the same global batch.
 
 Hidden-state caches here are tiny and made by the tiny random target itself (H=64), written in
-the extraction stage's shard format (see eagle3lib/extract.py's docstring)."""
+the hidden-state cache format (see eagle3lib/cache.py's docstring)."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from eagle3lib.batches import aux_scale, bucket_batches, fold_aux_scale
-from eagle3lib.extract import file_sha256
+from eagle3lib.cache import CacheError, HiddenCache, cache_params_hash, file_sha256
 from eagle3lib.model import Eagle3Config
 from eagle3lib.objective import acceptance_estimate, replay_chain
 from eagle3lib.params import load_params
@@ -44,7 +44,8 @@ def synthetic_sequences(n: int, seed: int) -> list:
     return out
 
 
-def write_cache(out_dir: Path, target, seqs: list, aux_layers: list, dtype=torch.bfloat16, poison: bool = False):
+def write_cache(out_dir: Path, target, seqs: list, aux_layers: list, params_hash: str, dtype=torch.bfloat16,
+                poison: bool = False):
     """Run the target over `seqs` and write one shard + manifest.json in the extraction format."""
     out_dir.mkdir(parents=True, exist_ok=True)
     aux, final = [], []
@@ -67,7 +68,8 @@ def write_cache(out_dir: Path, target, seqs: list, aux_layers: list, dtype=torch
     rec = {"index": 0, "file": f.name, "seq_index": list(range(len(seqs))), "num_tokens": sum(lengths),
            "bytes": f.stat().st_size, "sha256": file_sha256(f)}
     manifest = {"format": "eagle3lab-hidden-cache", "format_version": 1, "dtype": str(dtype).split(".")[-1],
-                "aux_layers": aux_layers, "hidden_size": H, "num_shards": 1, "complete": True, "shards": [rec]}
+                "aux_layers": aux_layers, "hidden_size": H, "num_shards": 1, "complete": True, "shards": [rec],
+                "split": out_dir.name, "params_hash": params_hash}
     (out_dir / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -93,8 +95,8 @@ def make_run(root: Path, target_dir: Path, train_overrides: dict, n_train=24, n_
     counts = count_assistant_tokens(train_seqs, target.config.vocab_size)
     d2t, t2d = build_draft_vocab(counts, draft_vocab_size)
     save_vocab(run_dir / "data" / "vocab.safetensors", d2t, t2d)
-    write_cache(run_dir / "hidden" / "train", target, train_seqs, aux_layers, poison=poison)
-    write_cache(run_dir / "hidden" / "eval", target, eval_seqs, aux_layers)
+    write_cache(run_dir / "hidden" / "train", target, train_seqs, aux_layers, cache_params_hash(P), poison=poison)
+    write_cache(run_dir / "hidden" / "eval", target, eval_seqs, aux_layers, cache_params_hash(P))
     return path
 
 
@@ -349,7 +351,6 @@ def test_tiny_run_learns_and_writes_a_vllm_named_final_drafter(tmp_path, sharp_t
     ckpts = sorted((P.run_dir() / "train" / "checkpoints").glob("step-*"))
     assert [c.name for c in ckpts] == ["step-000014", "step-000016"]         # the last two kept
     # fc was trained on aux / s (fc_input_scaling): final/ holds it folded, fc'(a) = fc(a / s)
-    from eagle3lib.extract import HiddenCache
     s = aux_scale(HiddenCache(P.run_dir() / "hidden" / "train"))
     last = load_file(str(ckpts[-1] / "checkpoint.safetensors"))
     torch.testing.assert_close(weights["fc.weight"] * s.reshape(1, -1), last["model.drafter.fc.weight"],
@@ -506,14 +507,39 @@ def test_resume_is_refused_on_another_hidden_state_cache(tmp_path, sharp_target_
     again = train(P, P.run_dir(), progress=False)              # unchanged cache: resumed at step 4
     assert again["steps"] == 4 and again["tokens_per_s_this_run"] == 0
     manifest = P.run_dir() / "hidden" / "eval" / "manifest.json"
-    original = manifest.read_bytes()
+    shard = manifest.parent / "shard-00000.safetensors"
+    original, original_shard = manifest.read_bytes(), shard.read_bytes()
+    tensors = load_file(str(shard))
+    tensors["final"][0] += 1                                   # a repaired / rewritten cache: intact, other bytes
+    save_file(tensors, str(shard))
     changed = json.loads(original)
-    changed["shards"][0]["sha256"] = "0" * 64                  # a repaired / rewritten cache
+    changed["shards"][0].update(bytes=shard.stat().st_size, sha256=file_sha256(shard))
     manifest.write_text(json.dumps(changed))
     with pytest.raises(RuntimeError, match="trained on another hidden-state cache"):
         train(P, P.run_dir(), progress=False)
     manifest.write_bytes(original)
+    shard.write_bytes(original_shard)
     assert train(P, P.run_dir(), progress=False)["tokens_per_s_this_run"] == 0
     make_run(tmp_path, sharp_target_dir, overrides, n_train=20)  # re-extracted from other data, same params
     with pytest.raises(RuntimeError, match="trained on another hidden-state cache"):
         train(P, P.run_dir(), progress=False)
+
+
+def test_the_trainer_refuses_a_corrupt_or_stale_cache(tmp_path, sharp_target_dir):
+    """Issue 19 item 3: flipped bytes inside a shard, and a cache extracted for other data params
+    (num_train changed, resume off), both trained on silently before (planted fault: train.setup
+    opening HiddenCache instead of check_cache makes both cases train and return)."""
+    path = make_run(tmp_path, sharp_target_dir, {"max_steps": 2, "resume": False})
+    P = load_params(path)
+    shard = P.run_dir() / "hidden" / "train" / "shard-00000.safetensors"
+    original = shard.read_bytes()
+    flipped = bytearray(original)
+    flipped[-100] ^= 0xFF                                      # inside the tensor data
+    shard.write_bytes(bytes(flipped))
+    with pytest.raises(CacheError, match="shard-00000.safetensors.*sha256|sha256.*shard-00000"):
+        train(P, P.run_dir(), progress=False)
+    shard.write_bytes(original)
+    assert train(P, P.run_dir(), progress=False)["steps"] == 2
+    stale = load_params(path, overrides={"data": {"num_train": 7}})
+    with pytest.raises(CacheError, match="extracted with other params"):
+        train(stale, stale.run_dir(), progress=False)
