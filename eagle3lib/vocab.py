@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
+from safetensors.torch import load_file, save
+
+from .files import atomic_write_bytes
 
 
 def count_assistant_tokens(sequences: Iterable[tuple[Sequence[int], Sequence[int]]],
@@ -80,9 +83,6 @@ def coverage_curve(counts: torch.Tensor, sizes: Iterable[int]) -> dict[int, floa
 
 def save_vocab(path: str | os.PathLike, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
     """Write d2t (int64) and t2d (bool) to a safetensors file (atomic)."""
-    from safetensors.torch import save
-
-    from .files import atomic_write_bytes
     if d2t.dtype != torch.int64 or d2t.dim() != 1:
         raise ValueError(f"d2t must be a 1-D int64 tensor, got {d2t.dtype} {tuple(d2t.shape)}")
     if t2d.dtype != torch.bool or t2d.dim() != 1:
@@ -92,7 +92,6 @@ def save_vocab(path: str | os.PathLike, d2t: torch.Tensor, t2d: torch.Tensor) ->
 
 def load_vocab(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t int64 [Dv], t2d bool [V]) from a file written by save_vocab, checked for consistency."""
-    from safetensors.torch import load_file
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no draft vocabulary (run data.prepare_data first)")

@@ -8,11 +8,21 @@ import pytest
 import torch
 
 from eagle3lib import data as D
+from eagle3lib.layout import RunLayout
 from eagle3lib.params import load_params
 from eagle3lib import regenerate as D_regen
-from eagle3lib.regenerate import load_results, regen_dir, regenerate_chats, write_chunk
+from eagle3lib.regenerate import load_results, regen_key, regenerate_chats, write_chunk
 
 END = "<|im_end|>"
+
+
+def regen_dir(P, run_dir):
+    return RunLayout(run_dir).regen(regen_key(P))
+
+
+def results_by_id(out_dir):
+    """The chunk results of one source, by conversation id (load_results keys them by prompt_key)."""
+    return {r["id"]: r for r in load_results(out_dir).values()}
 
 
 @pytest.fixture(scope="module")
@@ -399,7 +409,7 @@ def test_regenerate_keeps_results_from_an_interrupted_run(tiny_target_dir, tmp_p
     run_dir = tmp_path / "run"
     out_dir = regen_dir(P, run_dir)
     out_dir.mkdir(parents=True)
-    cached = {"id": "b", "messages": [{"role": "user", "content": "2+2?"},
+    cached = {"id": "b", "key": D_regen.prompt_key(REGEN_CHATS[1], P.data.regen_max_turns), "messages": [{"role": "user", "content": "2+2?"},
                                       {"role": "assistant", "content": "CACHED ANSWER"}],
               "status": "ok", "turns": 1, "new_tokens": 3, "capped": False, "empty_outputs": 0}
     write_chunk(out_dir, [cached])
@@ -407,7 +417,7 @@ def test_regenerate_keeps_results_from_an_interrupted_run(tiny_target_dir, tmp_p
     kept, stats = regenerate_chats(P, run_dir, REGEN_CHATS, progress=False)
     assert stats["from_cache"] == 1 and stats["regenerated"] == 2
     assert {c["id"]: c for c in kept}["b"]["messages"][1]["content"] == "CACHED ANSWER"
-    assert set(load_results(out_dir)) == {"a", "b", "c"}
+    assert set(results_by_id(out_dir)) == {"a", "b", "c"}
     # Other settings -> another folder, nothing reused.
     P2 = tiny_params(tiny_target_dir, tmp_path, regen_max_new_tokens=3)
     assert regen_dir(P2, run_dir) != out_dir
@@ -424,30 +434,30 @@ def test_prepare_data_local_jsonl(tiny_target_dir, tmp_path):
     run_dir = P.run_dir("t")
     before = D.load_eval_prompts(P, run_dir)        # no prepare_data yet: computed from the split
     stats = D.prepare_data(P, run_dir, progress=False)
-    assert not stats["cached"]
-    assert stats["records_read"] == 16 and stats["malformed"] == {"invalid_json": 1, "no_assistant_turn": 1}
-    assert stats["train"]["conversations"] == 6 and stats["eval"]["conversations"] == 3
+    assert not stats.cached
+    assert stats.records_read == 16 and stats.malformed == {"invalid_json": 1, "no_assistant_turn": 1}
+    assert stats.train.conversations == 6 and stats.eval.conversations == 3
     train, ev = D.load_processed(run_dir, "train"), D.load_processed(run_dir, "eval")
     assert set(train.column_names) == {"conv_id", "input_ids", "loss_mask"}
     assert len(train) == 6 and len(ev) == 3
     assert not set(train["conv_id"]) & set(ev["conv_id"])
-    assert sum(map(sum, train["loss_mask"])) == stats["train"]["assistant_tokens"]
+    assert sum(map(sum, train["loss_mask"])) == stats.train.assistant_tokens
     prompts = D.load_eval_prompts(P, run_dir)
     assert prompts == before and [p["id"] for p in prompts] == ev["conv_id"]
     assert prompts[0]["messages"][-1]["role"] == "user" and prompts[0]["category"] is None
     from eagle3lib.vocab import load_vocab
-    d2t, t2d = load_vocab(run_dir / "data" / "vocab.safetensors")
+    d2t, t2d = load_vocab(RunLayout(run_dir).vocab)
     assert d2t.numel() == 64 and t2d.numel() == 49152
-    assert stats["coverage_train"] == 1.0   # fewer than 64 distinct assistant tokens
+    assert stats.coverage_train == 1.0   # fewer than 64 distinct assistant tokens
     # Cached: same params -> no rebuild; other params -> rebuild.
     again = D.prepare_data(P, run_dir, progress=False)
-    assert again["cached"] and again["cache_key"] == stats["cache_key"]
+    assert again.cached and again.cache_key == stats.cache_key
     P2 = tiny_params(tiny_target_dir, tmp_path, source=str(src), max_records=None, num_eval=3,
                      num_train=4, regenerate=False)
     assert D.load_eval_prompts(P2, run_dir) == before  # stale files are not trusted, same split
     rebuilt = D.prepare_data(P2, run_dir, progress=False)
-    assert not rebuilt["cached"] and len(D.load_processed(run_dir, "train")) == 4
-    assert not list((run_dir / "data").glob(".build-*"))
+    assert not rebuilt.cached and len(D.load_processed(run_dir, "train")) == 4
+    assert not list(RunLayout(run_dir).data.glob(".build-*"))
 
 
 def test_prepare_data_with_regeneration(tiny_target_dir, tmp_path):
@@ -455,11 +465,11 @@ def test_prepare_data_with_regeneration(tiny_target_dir, tmp_path):
                     regen_temperature=1.0)
     run_dir = P.run_dir("r")
     stats = D.prepare_data(P, run_dir, progress=False)
-    regen = stats["regen"]
-    assert regen["conversations"] == 5 and regen["regenerated"] == 5
-    assert regen["kept"] == 5 - regen["dropped_empty"] - regen["dropped_too_long"]
+    regen = stats.regen
+    assert regen.conversations == 5 and regen.regenerated == 5
+    assert regen.kept == 5 - regen.dropped_empty - regen.dropped_too_long
     train = D.load_processed(run_dir, "train")
-    results = load_results(regen_dir(P, run_dir))
+    results = results_by_id(regen_dir(P, run_dir))
     from eagle3lib.target import load_tokenizer
     tok = load_tokenizer(tiny_target_dir)
     assert len(train) == 3
@@ -483,10 +493,10 @@ def test_prepare_data_regenerates_only_the_first_regen_num_train(tiny_target_dir
                     regen_num_train=2, regen_temperature=1.0, draft_vocab_size=8)
     run_dir = P.run_dir("r")
     stats = D.prepare_data(P, run_dir, progress=False)
-    regen = stats["regen"]
-    assert regen["conversations"] == 2 + 2                  # 2 training + 2 held-out chats
-    assert regen["train_original_answers"] == 3
-    results = load_results(regen_dir(P, run_dir))
+    regen = stats.regen
+    assert regen.conversations == 2 + 2                     # 2 training + 2 held-out chats
+    assert regen.train_original_answers == 3
+    results = results_by_id(regen_dir(P, run_dir))
     eval_chats, pool, _ = D.held_out_chats(P)
     from eagle3lib.target import load_tokenizer
     tok = load_tokenizer(tiny_target_dir)
@@ -494,7 +504,7 @@ def test_prepare_data_regenerates_only_the_first_regen_num_train(tiny_target_dir
     assert set(results) == {c["id"] for c in chosen[:2] + eval_chats}
     train = D.load_processed(run_dir, "train")
     originals = {c["id"]: c for c in chosen[2:]}
-    assert len(train) == regen["train_regenerated"] + 3
+    assert len(train) == regen.train_regenerated + 3
     regenerated_rows = []
     for conv_id, ids, mask in zip(train["conv_id"], train["input_ids"], train["loss_mask"]):
         first_answer = masked_runs(tok, ids, mask)[0]
@@ -504,10 +514,10 @@ def test_prepare_data_regenerates_only_the_first_regen_num_train(tiny_target_dir
         else:
             assert conv_id in results
             regenerated_rows.append((ids, mask))
-    counts = V.count_assistant_tokens(regenerated_rows, stats["vocab_size"])
-    d2t, _ = load_vocab(run_dir / "data" / "vocab.safetensors")
+    counts = V.count_assistant_tokens(regenerated_rows, stats.vocab_size)
+    d2t, _ = load_vocab(RunLayout(run_dir).vocab)
     assert torch.equal(d2t, V.build_draft_vocab(counts, 8)[0])
-    everything = V.count_assistant_tokens(zip(train["input_ids"], train["loss_mask"]), stats["vocab_size"])
+    everything = V.count_assistant_tokens(zip(train["input_ids"], train["loss_mask"]), stats.vocab_size)
     assert not torch.equal(d2t, V.build_draft_vocab(everything, 8)[0])   # the test can tell them apart
 
 
@@ -558,7 +568,7 @@ def test_regenerate_vllm_subprocess(smollm2_dir, tmp_path):
     run_dir = tmp_path / "run"
     kept, stats = regenerate_chats(P, run_dir, chats, progress=False)
     assert stats["backend"] == "vllm" and stats["regenerated"] == 3 and stats["kept"] == 3
-    results = load_results(regen_dir(P, run_dir))
+    results = results_by_id(regen_dir(P, run_dir))
     essay = results["essay"]
     assert essay["capped"] and essay["new_tokens"] == 12 and essay["messages"][-1]["capped"]
     assert essay["messages"][-1]["content"] != "Rivers..."
@@ -576,6 +586,87 @@ def test_jsonl_chunks_survive_unicode_line_separators(tmp_path):
     leaves raw inside strings: a ShareGPT answer holding one broke the vLLM regeneration requests."""
     from eagle3lib.regenerate import load_results, write_chunk
     tricky = "line one\u2028line two\u2029para\x85next\x1cfs"
-    write_chunk(tmp_path, [{"id": "a", "text": tricky}, {"id": "b", "text": "plain"}])
-    results = load_results(tmp_path)
+    write_chunk(tmp_path, [{"id": "a", "key": "ka", "text": tricky}, {"id": "b", "key": "kb", "text": "plain"}])
+    results = results_by_id(tmp_path)
     assert results["a"]["text"] == tricky and results["b"]["text"] == "plain"
+
+
+# ---- stale data and bad bytes (issue 19) ----------------------------------------------------
+def test_non_utf8_records_are_counted_as_malformed(tmp_path):
+    """One record with bytes that are not UTF-8 is counted ("not_utf8"); the others are read."""
+    recs = [openai(("user", f"q{i}"), ("assistant", f"a{i}"), id=f"c{i}") for i in range(3)]
+    lines = [json.dumps(r).encode() for r in recs]
+    lines[1] = lines[1].replace(b'"q1"', b'"q\xff1"')
+    jsonl = tmp_path / "bad.jsonl"
+    jsonl.write_bytes(b"\n".join(lines) + b"\n")
+    chats, stats = D.load_chats(str(jsonl))
+    assert stats["malformed"] == {"not_utf8": 1} and [c["id"] for c in chats] == ["c0", "c2"]
+    bad = [r for r in D.iter_raw_records(str(jsonl)) if isinstance(r, D.MalformedRecord)]
+    assert "bad.jsonl line 2" in str(bad[0]) and "\\xff" in str(bad[0])
+    array = tmp_path / "bad.json"
+    array.write_bytes(json.dumps(recs).encode().replace(b'"a2"', b'"a\xc3\x282"'))  # invalid 2-byte seq
+    chats, stats = D.load_chats(str(array))
+    assert stats["malformed"] == {"not_utf8": 1} and [c["id"] for c in chats] == ["c0", "c1"]
+    assert stats["records_read"] == 3
+
+
+def _decoded_train(tok, run_dir) -> str:
+    return "\n".join(tok.decode(ids) for ids in D.load_processed(run_dir, "train")["input_ids"])
+
+
+def test_source_edited_in_place_is_rebuilt(tiny_target_dir, tmp_path, tok):
+    """Same path, same size, same mtime, other content: the data stage rebuilds (content hash)."""
+    import os
+    recs = [openai(("user", f"Tell me fact number {i}."), ("assistant", f"Fact {i}: water is wet."),
+                   id=f"f{i}") for i in range(10)]
+    src = write_jsonl(tmp_path / "facts.jsonl", recs)
+    P = tiny_params(tiny_target_dir, tmp_path, source=str(src), max_records=None, num_eval=2,
+                    num_train=4, regenerate=False)
+    run_dir = P.run_dir("t")
+    first = D.prepare_data(P, run_dir, progress=False)
+    assert "Fact" in _decoded_train(tok, run_dir)
+    before = src.stat()
+    src.write_text(src.read_text().replace("fact", "joke").replace("Fact", "Joke"))
+    os.utime(src, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert src.stat().st_size == before.st_size and src.stat().st_mtime_ns == before.st_mtime_ns
+    second = D.prepare_data(P, run_dir, progress=False)
+    assert not second.cached and second.cache_key != first.cache_key
+    text = _decoded_train(tok, run_dir)
+    assert "Joke" in text and "Fact" not in text and "fact" not in text
+    assert D.prepare_data(P, run_dir, progress=False).cached   # unchanged file: cached again
+
+
+def test_switched_source_never_reuses_regenerated_answers(tiny_target_dir, tmp_path, tok):
+    """Two files with the same conversation ids under one run name: the train set follows the
+    second file (its prompts, freshly regenerated answers), not the first file's chunks."""
+    def source(name, topic):
+        recs = [openai(("user", f"Say something about {topic} number {i}."), ("assistant", "ok"),
+                       id=f"c{i}") for i in range(6)]
+        return str(write_jsonl(tmp_path / name, recs))
+    common = dict(max_records=None, num_eval=2, num_train=3, regen_temperature=1.0)
+    P1 = tiny_params(tiny_target_dir, tmp_path, source=source("apples.jsonl", "apples"), **common)
+    P2 = tiny_params(tiny_target_dir, tmp_path, source=source("oceans.jsonl", "oceans"), **common)
+    run_dir = P1.run_dir("same-run")
+    D.prepare_data(P1, run_dir, progress=False)
+    assert "apples" in _decoded_train(tok, run_dir)
+    stats = D.prepare_data(P2, run_dir, progress=False)
+    assert stats.regen.from_cache == 0 and stats.regen.regenerated == 5
+    text = _decoded_train(tok, run_dir)
+    assert len(D.load_processed(run_dir, "train")) >= 1
+    assert "oceans" in text and "apples" not in text
+    prompts = D.load_eval_prompts(P2, run_dir)
+    assert all("oceans" in p["messages"][-1]["content"] for p in prompts)
+
+
+def test_chunks_without_content_keys_are_refused(tiny_target_dir, tmp_path):
+    """A chunk keyed by conversation id only (the old format) is never reused as if it matched."""
+    P = tiny_params(tiny_target_dir, tmp_path, regen_temperature=1.0)
+    run_dir = tmp_path / "run"
+    out_dir = regen_dir(P, run_dir)
+    out_dir.mkdir(parents=True)
+    old = {"id": "b", "messages": [{"role": "user", "content": "another chat's prompt"},
+                                   {"role": "assistant", "content": "ANOTHER CHAT'S ANSWER"}],
+           "status": "ok", "turns": 1, "new_tokens": 3, "capped": False, "empty_outputs": 0}
+    (out_dir / "chunk-0123456789abcdef.jsonl").write_text(json.dumps(old) + "\n")
+    with pytest.raises(ValueError, match=r"data stage .*chunk-0123456789abcdef\.jsonl.*delete"):
+        regenerate_chats(P, run_dir, REGEN_CHATS, progress=False)

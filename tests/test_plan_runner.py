@@ -6,8 +6,9 @@ import sys
 import nbformat
 import pytest
 
+from eagle3lib.data import DataStats, SplitStats, prepare_data
 from eagle3lib.params import ParamsError, load_params
-from eagle3lib.plan import capacity_plan, format_plan
+from eagle3lib.plan import capacity_plan, format_plan, load_stats
 from eagle3lib.runner import NotebookFailed, run_pipeline, select_stages
 
 
@@ -30,11 +31,44 @@ def test_b300_plan_uses_kimi_shape_and_gpus():
     assert "TB" in text and " h" in text
 
 
+def measured(p, tokens: int, conversations: int) -> DataStats:
+    """Stats as the data stage of profile `p` would write them, with only the train counts set."""
+    split = SplitStats(conversations=conversations, tokens=tokens, assistant_tokens=0, truncated=0,
+                       dropped_no_assistant_tokens=0, template_error=0)
+    return DataStats(cache_key={"data_hash": p.section_hash("data")}, source=p.data.source,
+                     records_read=0, valid=0, malformed={}, malformed_total=0, repairs={},
+                     duplicates=0, renamed_ids=0, eval_prompts=0, train_skipped_prompt_too_long=0,
+                     train=split, eval=split, regen=None, vocab_size=0, draft_vocab_size=0,
+                     distinct_assistant_tokens=0, coverage_train=0.0, coverage_eval=0.0,
+                     coverage_curve={}, seconds=0.0)
+
+
 def test_measured_stats_override_the_estimate():
     p = load_params("params/ci.yaml")
-    plan = capacity_plan(p, {"train_tokens": 2400, "train_conversations": 24})
+    plan = capacity_plan(p, measured(p, 2400, 24))
     assert plan["tokens_per_conversation"] == 100
     assert plan["tokens_to_extract"] == 24 * 100
+
+
+def test_plan_reads_the_stats_json_of_a_real_data_stage(tiny_target_dir, tmp_path):
+    """The ci profile's data stage (tiny target, temp output dir) writes stats.json; the planner
+    reads it through the one stats reader and uses the measured tokens per conversation."""
+    ci = {"target": {"path": str(tiny_target_dir), "dtype": "float32"}, "output_dir": str(tmp_path),
+          "data": {"regen_temperature": 1.0}}  # the random tiny target's greedy answers are blank
+    p = load_params("params/ci.yaml", ci)
+    prepare_data(p, p.run_dir(), progress=False)
+    raw = json.loads(p.layout().stats.read_text())
+    tokens_per_conv = raw["train"]["tokens"] / raw["train"]["conversations"]
+    estimated = capacity_plan(p)
+    assert estimated["tokens_per_conversation"] != round(tokens_per_conv, 1)   # the test can tell
+    plan = capacity_plan(p, load_stats(p.run_dir()))
+    assert plan["tokens_per_conversation"] == round(tokens_per_conv, 1)
+    assert plan["tokens_to_extract"] == int(plan["train_conversations"] * tokens_per_conv)
+    assert plan["tokens_basis"].startswith("measured") and estimated["tokens_basis"] == "estimated"
+    # Stats measured with other data params are not this profile's: the estimate is kept.
+    other = load_params("params/ci.yaml", {**ci, "data": {"regen_temperature": 1.0, "max_length": 256}})
+    assert capacity_plan(other, load_stats(p.run_dir())) == capacity_plan(other)
+    assert load_stats(tmp_path / "no-such-run") is None
 
 
 def test_plan_counts_only_regenerated_chats_as_regeneration():
