@@ -297,7 +297,7 @@ def plot_training_curves(runs: Sequence, title: str = "training curves", smooth:
     for name, run in zip(_unique_names(runs), runs):
         steps = [h["step"] for h in run["history"]]
         loss = [h["loss"] for h in run["history"]]
-        line, = ax_loss.plot(steps, _moving_average(loss, smooth), label=name)
+        line, = ax_loss.plot(steps, moving_average(loss, smooth), label=name)
         ax_loss.plot(steps, loss, color=line.get_color(), alpha=0.2, linewidth=0.8)
         evals = [(h["step"], h["eval"]["acceptance_estimate"]) for h in run["history"] if "eval" in h]
         if evals:
@@ -309,7 +309,8 @@ def plot_training_curves(runs: Sequence, title: str = "training curves", smooth:
     return fig
 
 
-def _moving_average(values: list, window: int) -> list:
+def moving_average(values: list, window: int) -> list:
+    """Trailing mean over the last `window` values (fewer at the start)."""
     out, total = [], 0.0
     for i, v in enumerate(values):
         total += v
