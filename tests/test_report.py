@@ -1,0 +1,67 @@
+"""The run's index page and `eagle3 compare`: content, not just existence."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from eagle3lib.params import dump, load_params
+from eagle3lib.report import compare_runs, markdown_table, plot_training_curves, write_index
+
+
+def fake_run(root: Path, name: str, lr: float, acc: float, with_eval: bool = True) -> Path:
+    """A run folder as the stages leave it: params.yaml, metrics.json sections, train/history.json."""
+    run = root / name
+    (run / "train").mkdir(parents=True)
+    P = load_params("params/ci.yaml", overrides={"run_name": name, "train": {"lr": lr}})
+    (run / "params.yaml").write_text(dump(P))
+    metrics = {"runner": {"stage_seconds": {"data": 12.5, "train": 30.0}, "git_commit": "abc123def456",
+                          "machine": {"cpu": "Test CPU", "cores": 2, "cpu_native_bf16": False, "gpus": []},
+                          "params_path": "params/ci.yaml"},
+               "data": {"train_conversations": 24, "train_tokens": 1767},
+               "train": {"steps": 12, "final_loss": 8.0088, "eval_acceptance_estimate": 1 + acc}}
+    if with_eval:
+        metrics["eval"] = {"acceptance_length_vllm": 1.15, "speedup_vllm_eagle3": 2.0916,
+                           "per_position_acceptance_vllm": [0.15, 0.0, 0.0],
+                           "vllm": {"plain": {"tokens_per_s": 10.0}, "eagle3_k3": {"tokens_per_s": 20.9}},
+                           "verdict": "vLLM: eagle3_k3 is 2.09x faster than plain decoding"}
+    (run / "metrics.json").write_text(json.dumps(metrics))
+    history = [{"step": s, "loss": 9 - 0.1 * s, "step_acc": [acc, acc / 2]} for s in range(1, 13)]
+    history[4]["eval"] = {"acceptance_estimate": 1 + acc / 2}
+    history[11]["eval"] = {"acceptance_estimate": 1 + acc}
+    (run / "train" / "history.json").write_text(json.dumps(history))
+    return run
+
+
+def test_index_page_shows_params_stage_times_headlines_plots_and_links(tmp_path):
+    run = fake_run(tmp_path, "a", lr=1e-3, acc=0.2)
+    page = write_index(run).read_text()
+    md = (run / "index.md").read_text()
+    assert "abc123def456" in page and "Test CPU" in page                      # commit and machine
+    assert "| train | held-out acceptance length, estimated | 1.200 |" in md     # a headline number
+    assert "| data | [02_data](02_data.html) ([ipynb](02_data.ipynb)) | 12.500 |" in md   # wall time, links
+    assert '<a href="05_eval.html">05_eval</a>' in page
+    assert "eagle3_k3 is 2.09x faster" in page                                # the verdict
+    assert page.count("<img src=\"data:image/png;base64,") == 3              # curve, per position, speed
+    assert "lr: 0.001" in page                                                # params in use
+    partial = fake_run(tmp_path, "b", lr=1e-3, acc=0.2, with_eval=False)
+    write_index(partial)
+    md = (partial / "index.md").read_text()
+    assert "| eval | EAGLE-3 acceptance length (vLLM) | - |" in md              # not run yet: "-"
+
+
+def test_compare_lists_headlines_and_only_the_params_that_differ(tmp_path):
+    a, b = fake_run(tmp_path, "a", lr=1e-3, acc=0.2), fake_run(tmp_path, "b", lr=3e-3, acc=0.3)
+    metrics, params = compare_runs([a, b])
+    assert list(metrics.columns) == ["a", "b"]
+    row = metrics.loc["train: held-out acceptance length, estimated"]
+    assert (row["a"], row["b"]) == ("1.200", "1.300")
+    assert list(params.index) == ["train.lr"]                                 # run_name left out, rest equal
+    assert (params.loc["train.lr", "a"], params.loc["train.lr", "b"]) == ("0.001", "0.003")
+    table = markdown_table(metrics, "quantity")
+    assert table.splitlines()[0] == "| quantity | a | b |"
+    fig = plot_training_curves([a, b])
+    loss_ax, acc_ax = fig.axes
+    assert len(loss_ax.lines) == 4 and len(acc_ax.lines) == 2                # smoothed + raw per run; held-out
+    assert list(acc_ax.lines[1].get_ydata()) == [1.15, 1.3]
