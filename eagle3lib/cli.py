@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .params import ParamsError, dump, load_params
+from .files import RunLocked
+from .params import ParamsError, check_run_name, dump, load_params
 
 
 def main(argv=None) -> int:
@@ -19,7 +20,8 @@ def main(argv=None) -> int:
     run = sub.add_parser("run", help="execute the notebooks in order with papermill")
     run.add_argument("--params", required=True)
     run.add_argument("--only", default=None, help="comma-separated stages: research,ngram,data,extract,train,eval")
-    run.add_argument("--run-name", default=None)
+    run.add_argument("--run-name", default=None,
+                     help="folder under outputs/ (letters, digits, '.', '-', '_'; default: the profile's run_name)")
     run.add_argument("--no-html", action="store_true")
     plan = sub.add_parser("plan", help="print the capacity plan of a profile (runs nothing)")
     plan.add_argument("--params", required=True)
@@ -35,7 +37,9 @@ def main(argv=None) -> int:
             p = load_params(args.params)
             print(format_plan(capacity_plan(p, load_stats(p.run_dir()))))
         elif args.cmd == "run":
-            from .runner import NotebookFailed, run_pipeline
+            from .runner import NotebookFailed, run_pipeline   # papermill on the way: only for `run`
+            if args.run_name is not None:
+                check_run_name(args.run_name, "--run-name")
             try:
                 results = run_pipeline(args.params, only=args.only, run_name=args.run_name,
                                        html=not args.no_html)
@@ -47,6 +51,9 @@ def main(argv=None) -> int:
     except (ParamsError, FileNotFoundError) as e:
         print(f"eagle3: {e}", file=sys.stderr)
         return 2
+    except RunLocked as e:
+        print(f"eagle3: {e}", file=sys.stderr)
+        return 3
     return 0
 
 

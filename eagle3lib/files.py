@@ -1,13 +1,20 @@
-"""Small file helpers shared by every stage: atomic writes and the run's metrics.json."""
+"""Small file helpers shared by every stage: atomic writes, guarded deletes, the run folder's
+lock, and the run's metrics.json."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import secrets
 import shutil
+import socket
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Optional
+
+from .layout import RunLayout
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -54,10 +61,10 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
             os.replace(path, old)       # replaces the empty placeholder folder
         os.replace(tmp, path)
         if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_tree(old, under=path.parent, ignore_errors=True)
     finally:
         if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp, under=path.parent, ignore_errors=True)
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
@@ -70,8 +77,140 @@ def read_json(path: str | os.PathLike) -> Any:
 
 def update_metrics(run_dir: str | os.PathLike, section: str, values: dict) -> dict:
     """Merge `values` into outputs/<run>/metrics.json under `section` (atomic); returns the file's content."""
-    path = Path(run_dir) / "metrics.json"
+    path = RunLayout(run_dir).metrics
     metrics = read_json(path) if path.is_file() else {}
     metrics.setdefault(section, {}).update(values)
     atomic_write_json(path, metrics)
     return metrics
+
+
+# ---- guarded delete --------------------------------------------------------------------------
+def is_strictly_inside(path: str | os.PathLike, root: str | os.PathLike) -> bool:
+    """Whether `path` lies below `root` (symlinks and '..' resolved) and is not `root` itself."""
+    path, root = Path(path).resolve(), Path(root).resolve()
+    return root in path.parents
+
+
+def remove_tree(path: str | os.PathLike, under: str | os.PathLike, ignore_errors: bool = False) -> None:
+    """shutil.rmtree(path), refused unless `path` is strictly inside `under` (e.g. the run folder):
+    a wrong run name or a bug can then never delete anything outside outputs/. A missing `path` is
+    not an error."""
+    if not is_strictly_inside(path, under):
+        raise ValueError(f"refusing to delete {path}: it is not inside {under} "
+                         f"(resolves to {Path(path).resolve()}); nothing was deleted")
+    if Path(path).exists() or Path(path).is_symlink():
+        shutil.rmtree(path, ignore_errors=ignore_errors)
+
+
+# ---- run folder lock ---------------------------------------------------------------------------
+LOCK_NAME = ".lock"
+LOCK_TOKEN_ENV = "EAGLE3_RUN_LOCK"    # the holder's token, inherited by the processes it starts
+
+
+class RunLocked(RuntimeError):
+    """Another live process holds the run folder's lock; the message names its pid and host."""
+
+
+def _process_start(pid: int) -> Optional[str]:
+    """Start time of process `pid` (clock ticks since boot, /proc/<pid>/stat field 22), so that a
+    reused pid is not mistaken for the lock's owner; None where /proc cannot tell."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]     # fields after the "(comm)" name start at field 3
+
+
+def _is_alive(owner: dict) -> bool:
+    """Whether the lock's owner still runs. An owner on another host counts as alive (we cannot
+    tell), as does an unreadable lock: the message then says how to remove it by hand."""
+    if owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
+        return True
+    pid = owner["pid"]
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass                                        # alive, run by another user
+    start = owner.get("start")
+    return start is None or _process_start(pid) in (None, start)
+
+
+def _read_lock(path: Path) -> dict:
+    try:
+        owner = json.loads(path.read_text())
+        return owner if isinstance(owner, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _create_lock(path: Path, owner: dict) -> bool:
+    """Create `path` holding `owner` with O_CREAT | O_EXCL: False if it already exists."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        json.dump(owner, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return True
+
+
+def _remove_stale_lock(folder: Path, path: Path, stale: dict) -> bool:
+    """Delete the lock if it still holds `stale`. Takeovers are serialised by flock on the run
+    folder (released by the kernel when a process dies), so two processes that both found the same
+    stale lock cannot both take it: the second re-reads and finds the first's live lock."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if _read_lock(path) != stale:
+            return False
+        path.unlink(missing_ok=True)
+        return True
+    finally:
+        os.close(fd)                                # also releases the flock
+
+
+@contextmanager
+def run_lock(folder: str | os.PathLike, log: Callable[[str], Any] = print) -> Iterator[Path]:
+    """Hold `<folder>/.lock` (pid, host, process start, token) for the duration of the block.
+
+        with run_lock(run_dir):
+            ...                                     # no other process works on run_dir meanwhile
+
+    A second holder stops at once with RunLocked naming the owner's pid and host (it does not
+    wait). A lock left by a dead process (same host, pid gone or reused) is taken over and the
+    takeover is logged. The lock is removed on exit, on exceptions too. Processes started inside
+    the block inherit the token (env EAGLE3_RUN_LOCK) and enter without taking it again, so
+    `eagle3 run` can hold the lock while its notebooks start `python -m eagle3lib.train`.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LOCK_NAME
+    inherited = os.environ.get(LOCK_TOKEN_ENV)
+    if inherited and _read_lock(path).get("token") == inherited:
+        yield path                                  # our parent holds it; it also releases it
+        return
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "start": _process_start(os.getpid()),
+          "since": time.strftime("%Y-%m-%d %H:%M:%S"), "token": secrets.token_hex(8)}
+    while not _create_lock(path, me):
+        owner = _read_lock(path)
+        if _is_alive(owner):
+            raise RunLocked(f"{folder} is in use by pid {owner.get('pid', '?')} on host "
+                            f"{owner.get('host', '?')} (since {owner.get('since', '?')}): wait for that "
+                            f"run to finish, or use another run name; if that process is gone, delete {path}")
+        if _remove_stale_lock(folder, path, owner):
+            log(f"[eagle3] took over the stale lock {path} of pid {owner.get('pid')} on "
+                f"{owner.get('host')} (no longer running)")
+    os.environ[LOCK_TOKEN_ENV] = me["token"]
+    try:
+        yield path
+    finally:
+        if inherited is None:
+            os.environ.pop(LOCK_TOKEN_ENV, None)
+        else:
+            os.environ[LOCK_TOKEN_ENV] = inherited
+        if _read_lock(path).get("token") == me["token"]:
+            path.unlink(missing_ok=True)

@@ -3,7 +3,10 @@
 A profile is a YAML mapping with the sections below. `inherit: other.yaml` (a path relative to
 the profile's own folder) loads that profile first and overrides it key by key, so `local.yaml`
 and `b300.yaml` only state what differs. Unknown keys, wrong types and impossible values raise
-`ParamsError` with the dotted key name (e.g. `train.lr`).
+`ParamsError` starting with the dotted key name (e.g. `train.lr`) and ending with the profile's
+file. An empty profile is refused (it would silently run the defaults, i.e. the full dataset).
+Numbers in exponent form without a dot (`1e-3`, strings in YAML 1.1) are read as floats; float
+fields must be finite; an int field takes a float only when it is integral (`max_steps: 1e3`).
 
 This module is plain data: it imports nothing heavy, so `eagle3 params` answers at once (a profile
 with dtype "auto" imports torch once, to ask whether a CUDA device is there).
@@ -13,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +36,20 @@ EMBEDDED_SHAPE = {"num_hidden_layers": 30, "hidden_size": 576, "vocab_size": 491
 
 class ParamsError(ValueError):
     """A profile is invalid; the message names the offending key."""
+
+
+# A run name is one folder under outputs/: letters, digits, '.', '-', '_', not starting with a dot
+# (so never '.', '..' or a hidden folder), no separators, at most 100 characters.
+RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
+
+
+def check_run_name(name: Any, key: str = "run_name") -> str:
+    """Return `name` if it is a valid run name (see RUN_NAME), else raise ParamsError naming `key`."""
+    if not isinstance(name, str) or not RUN_NAME.fullmatch(name):
+        raise ParamsError(f"{key}: {name!r} is not a valid run name: use one folder name of letters, "
+                          "digits, '.', '-' or '_' (at most 100, not starting with '.'), e.g. 'ci' or "
+                          "'local-2'; runs always live in <output_dir>/<run_name>/")
+    return name
 
 
 @dataclass
@@ -186,7 +205,13 @@ class Params:
             return dict(EMBEDDED_SHAPE)
         cfg = Path(self.target.path) / "config.json"
         if cfg.is_file():
-            c = json.loads(cfg.read_text())
+            try:
+                c = json.loads(cfg.read_text(encoding="utf-8"))
+            except (ValueError, UnicodeDecodeError) as e:   # JSONDecodeError is a ValueError
+                raise ParamsError(f"target.path: {cfg} is not valid JSON ({e}); fix the file or "
+                                  "point target.path at another checkpoint") from None
+            if not isinstance(c, dict):
+                raise ParamsError(f"target.path: {cfg} must hold a JSON object, got {type(c).__name__}")
             c = c.get("text_config", c)  # multimodal wrappers keep the LM config inside
             keys = ("num_hidden_layers", "hidden_size", "vocab_size", "intermediate_size",
                     "num_attention_heads", "num_key_value_heads")
@@ -204,8 +229,9 @@ class Params:
         return [2, n // 2, n - 3]
 
     def run_dir(self, run_name: Optional[str] = None) -> Path:
-        """outputs/<run>/ (a relative output_dir is taken from the repository root)."""
-        return self.outputs_root() / (run_name or self.run_name)
+        """outputs/<run>/ (a relative output_dir is taken from the repository root). The name is
+        checked (check_run_name), so the folder is always directly inside outputs_root()."""
+        return self.outputs_root() / check_run_name(run_name or self.run_name)
 
     def layout(self, run_name: Optional[str] = None) -> "RunLayout":
         """The paths of run `run_name` (default: this profile's run_name), see layout.py."""
@@ -238,15 +264,31 @@ CHOICES = {
 
 
 # ---- loading -------------------------------------------------------------------------------
+class _ProfileLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that also reads exponent numbers without a dot (`1e-3`, `5E4`) as floats:
+    YAML 1.1 reads them as strings, YAML 1.2 and Python as numbers."""
+
+
+_ProfileLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
 def _read_yaml(path: Path, seen: tuple = ()) -> dict:
     if not path.is_file():
         raise ParamsError(f"params file not found: {path}")
     if path.resolve() in seen:
         raise ParamsError(f"inherit: cycle through {path}")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_ProfileLoader)
+    except UnicodeDecodeError as e:
+        raise ParamsError(f"{path}: not UTF-8 text (byte {e.start}); save the profile as UTF-8") from None
     except yaml.YAMLError as e:
-        raise ParamsError(f"{path}: not valid YAML: {e}") from e
+        raise ParamsError(f"{path}: not valid YAML: {e}") from None
+    if raw is None or raw == {}:
+        raise ParamsError(f"{path}: the profile is empty (it would run the defaults: the full dataset); "
+                          "start from a shipped profile with a line `inherit: ci.yaml` (a path relative "
+                          "to this file; or local.yaml, b300.yaml) and state only what differs")
     if not isinstance(raw, dict):
         raise ParamsError(f"{path}: a profile must be a mapping of keys, got {type(raw).__name__}")
     parent = raw.pop("inherit", None)
@@ -285,9 +327,26 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
         return value
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if typ is float and isinstance(value, float) and not math.isfinite(value):
+        raise ParamsError(f"{key}: must be a finite number, got {value!r}")
+    if typ is int and isinstance(value, float) and value.is_integer():
+        return int(value)                           # `max_steps: 1e3`
     if typ is int and isinstance(value, bool) or not isinstance(value, typ):
-        raise ParamsError(f"{key}: expected {name}, got {type(value).__name__} ({value!r})")
+        raise ParamsError(f"{key}: expected {name}, got {type(value).__name__} ({value!r}){_hint(value, typ)}")
     return value
+
+
+def _hint(value: Any, typ: type) -> str:
+    """How to write `value` so that it has type `typ`, where that is a quoting mistake."""
+    if typ in (int, float) and isinstance(value, str):
+        try:
+            float(value)
+            return "; write the number without quotes"
+        except ValueError:
+            return ""
+    if typ is str and isinstance(value, (int, float, bool)):
+        return "; put the value in quotes to make it text"
+    return ""
 
 
 def _build(cls, raw: dict, prefix: str):
@@ -297,7 +356,10 @@ def _build(cls, raw: dict, prefix: str):
     fields = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in raw.items():
-        dotted = prefix + key
+        dotted = prefix + str(key)
+        if not isinstance(key, str):
+            raise ParamsError(f"{dotted}: keys must be names, got the {type(key).__name__} {key!r} "
+                              f"(known: {', '.join(sorted(fields))})")
         if key not in fields:
             raise ParamsError(f"{dotted}: unknown key (known: {', '.join(sorted(fields))})")
         if key in SECTIONS and cls is Params:
@@ -317,7 +379,8 @@ def validate(p: Params) -> Params:
         sec, name = key.split(".")
         value = getattr(getattr(p, sec), name)
         need(value in allowed, key, f"must be one of {sorted(allowed)}, got {value!r}")
-    need(bool(p.run_name) and "/" not in p.run_name, "run_name", "must be a non-empty name without '/'")
+    check_run_name(p.run_name, "run_name")
+    _check_finite(p)
     d, x, t, e = p.data, p.extract, p.train, p.eval
     need(d.num_eval >= 1, "data.num_eval", "must be >= 1")
     need(d.max_records is None or d.max_records > d.num_eval, "data.max_records", "must exceed data.num_eval")
@@ -375,16 +438,21 @@ def validate(p: Params) -> Params:
     need(e.max_prompt_tokens is None or e.max_prompt_tokens >= 1, "eval.max_prompt_tokens",
          "must be >= 1 (or null: no limit)")
 
-    shape = p.target_shape()
     if p.target.shape is not None:
         need({"num_hidden_layers", "hidden_size", "vocab_size"} <= set(p.target.shape), "target.shape",
              "needs num_hidden_layers, hidden_size and vocab_size")
+        _check_shape_values(p.target.shape, "target.shape")
+    shape = p.target_shape()
     if p.target.path != EMBEDDED_TARGET and shape is None:
         raise ParamsError(f"target.path: {p.target.path!r} has no config.json and target.shape is not set")
     if shape is not None:
         missing = {"num_hidden_layers", "vocab_size"} - set(shape)
         need(not missing, "target.path", f"{p.target.path!r}: config.json lacks {sorted(missing)} "
              "(not a decoder-only causal LM config?); set target.shape to override")
+        bad = {k: shape[k] for k in ("num_hidden_layers", "vocab_size")
+               if not isinstance(shape[k], int) or isinstance(shape[k], bool) or shape[k] < 1}
+        need(not bad, "target.path", f"{p.target.path!r}: config.json has {bad}, expected positive "
+             "ints; set target.shape to override")
         v, n = shape["vocab_size"], shape["num_hidden_layers"]
         need(d.draft_vocab_size <= v, "data.draft_vocab_size",
              f"{d.draft_vocab_size} is larger than the target vocabulary ({v})")
@@ -398,6 +466,23 @@ def validate(p: Params) -> Params:
         need(t.init_from_layer is None or -n <= t.init_from_layer < n, "train.init_from_layer",
              f"{t.init_from_layer} out of range: the target has {n} layers (valid -{n}..{n - 1})")
     return p
+
+
+def _check_finite(p: Params) -> None:
+    """Every float field is a finite number (`epochs: .inf` would pass `> 0` and overflow later)."""
+    for sec_name, cls in SECTIONS.items():
+        section = getattr(p, sec_name)
+        for f in dataclasses.fields(cls):
+            value = getattr(section, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ParamsError(f"{sec_name}.{f.name}: must be a finite number, got {value!r}")
+
+
+def _check_shape_values(shape: dict, key: str) -> None:
+    """Target shape entries are positive integers (a string would fail later inside arithmetic)."""
+    for name, value in shape.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ParamsError(f"{key}.{name}: expected a positive int, got {type(value).__name__} ({value!r})")
 
 
 # ---- dtype "auto" ---------------------------------------------------------------------------
@@ -450,10 +535,15 @@ def load_params(path: str | os.PathLike, overrides: Optional[dict] = None) -> Pa
     """Load, merge (inherit), type-check and validate a profile, then resolve dtype "auto".
     Relative paths resolve from the current folder first, then from the repository root."""
     path = resolve_path(path)
-    raw = _read_yaml(path)
-    if overrides:
-        raw = _merge(raw, overrides)
-    return resolve_auto_dtypes(validate(_build(Params, raw, "")))
+    try:
+        raw = _read_yaml(path)
+        if overrides:
+            raw = _merge(raw, overrides)
+        return resolve_auto_dtypes(validate(_build(Params, raw, "")))
+    except ParamsError as e:
+        if str(path) in str(e):
+            raise
+        raise ParamsError(f"{e} [profile {path}]") from None
 
 
 def repo_root() -> Path:

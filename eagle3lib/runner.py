@@ -1,8 +1,9 @@
 """The papermill runner: execute the notebooks in order with one params profile.
 
 Executed copies go to outputs/<run>/<notebook>.ipynb with an HTML export beside each; the run
-stops at the first failing notebook and names the failing cell. The profile is validated
-before anything heavy starts.
+stops at the first failing notebook and names the failing cell. The profile and the run name
+are validated before anything heavy starts, and the run holds outputs/<run>/.lock throughout
+(files.run_lock): a second run on the same folder stops at once naming the pid that holds it.
 """
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .params import Params, ParamsError, load_params, repo_root, resolve_path
+from .files import is_strictly_inside, run_lock
+from .layout import RunLayout
+from .params import Params, ParamsError, check_run_name, load_params, repo_root, resolve_path
 
 # Stage name -> notebook file (execution order).
 STAGES = {
@@ -47,6 +50,7 @@ def select_stages(only: Optional[str]) -> list:
 
 
 def export_html(notebook: Path) -> Path:
+    # jupyter packages: heavy, only needed once a notebook has run
     import nbformat
     from nbconvert import HTMLExporter
     nb = nbformat.read(str(notebook), as_version=4)
@@ -68,35 +72,46 @@ def _failed_cell(exc) -> str:
 
 def run_pipeline(params_path: str, only: Optional[str] = None, run_name: Optional[str] = None,
                  notebooks_dir: Optional[Path] = None, html: bool = True, log=print) -> list:
-    """Validate the profile, then execute the selected notebooks in order with papermill."""
+    """Validate the profile, then execute the selected notebooks in order with papermill, holding
+    the run folder's lock throughout."""
     p: Params = load_params(params_path)          # fails fast on a bad profile
+    if run_name is not None:
+        check_run_name(run_name, "--run-name")
+    run_name = run_name or p.run_name
     stages = select_stages(only)
     params_file = str(resolve_path(params_path).resolve())
     notebooks_dir = Path(notebooks_dir or repo_root() / "notebooks")
-    run_dir = p.run_dir(run_name)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    layout = p.layout(run_name)
+    if not is_strictly_inside(layout.root, p.outputs_root()):     # guaranteed by check_run_name
+        raise ParamsError(f"run_name: {layout.root} resolves outside {p.outputs_root()} (a symlink?); "
+                          "use another run name or remove the link")
+    with run_lock(layout.root, log=log):
+        return [_run_stage(stage, layout, notebooks_dir,
+                           {"params_path": params_file, "run_name": run_name}, html, log)
+                for stage in stages]
 
-    import papermill as pm
+
+def _run_stage(stage: str, layout: RunLayout, notebooks_dir: Path, parameters: dict, html: bool,
+               log) -> StageResult:
+    """Execute one notebook into the run folder (with an HTML export); NotebookFailed names the cell."""
+    import papermill as pm                          # heavy (jupyter); `eagle3 params/plan` stay light
     from papermill.exceptions import PapermillExecutionError
 
-    results = []
-    for stage in stages:
-        src = notebooks_dir / STAGES[stage]
-        if not src.is_file():
-            raise FileNotFoundError(f"notebook for stage {stage!r} not found: {src}")
-        dst = run_dir / STAGES[stage]
-        log(f"[eagle3] {stage}: {src.name} -> {dst}")
-        t0 = time.time()
-        try:
-            pm.execute_notebook(str(src), str(dst), cwd=str(notebooks_dir), kernel_name="python3",
-                                parameters={"params_path": params_file, "run_name": run_name or p.run_name},
-                                progress_bar=False, log_output=False)
-        except PapermillExecutionError as e:
-            if html and dst.is_file():
-                export_html(dst)
-            raise NotebookFailed(f"notebook {src.name} failed at {_failed_cell(e)} "
-                                 f"(executed copy: {dst})") from None
-        out_html = export_html(dst) if html else None
-        results.append(StageResult(stage, dst, out_html, time.time() - t0))
-        log(f"[eagle3] {stage}: done in {results[-1].seconds:.0f} s")
-    return results
+    src = notebooks_dir / STAGES[stage]
+    if not src.is_file():
+        raise FileNotFoundError(f"notebook for stage {stage!r} not found: {src}")
+    dst = layout.notebook(Path(STAGES[stage]).stem)
+    log(f"[eagle3] {stage}: {src.name} -> {dst}")
+    t0 = time.time()
+    try:
+        pm.execute_notebook(str(src), str(dst), cwd=str(notebooks_dir), kernel_name="python3",
+                            parameters=parameters, progress_bar=False, log_output=False)
+    except PapermillExecutionError as e:
+        if html and dst.is_file():
+            export_html(dst)
+        raise NotebookFailed(f"notebook {src.name} failed at {_failed_cell(e)} "
+                             f"(executed copy: {dst})") from None
+    out_html = export_html(dst) if html else None
+    result = StageResult(stage, dst, out_html, time.time() - t0)
+    log(f"[eagle3] {stage}: done in {result.seconds:.0f} s")
+    return result

@@ -56,9 +56,11 @@ def test_inheritance_only_overrides_stated_keys():
     ("data: 5", "data"),
 ])
 def test_bad_profiles_name_the_key(tmp_path, text, key):
+    path = write(tmp_path, text)
     with pytest.raises(ParamsError) as err:
-        load_params(write(tmp_path, text))
+        load_params(path)
     assert str(err.value).startswith(key + ":"), str(err.value)
+    assert str(err.value).endswith(f"[profile {path}]")         # and the file
 
 
 def test_int_is_accepted_for_float(tmp_path):
@@ -134,3 +136,146 @@ def test_load_params_resolves_dtype_auto_for_this_machine(tmp_path, monkeypatch,
     p = load_params(write(tmp_path, "target: {dtype: auto}\ntrain: {dtype: auto}\nextract: {dtype: bfloat16}"))
     assert (p.target.dtype, p.train.dtype, p.extract.dtype) == (expected, expected, "bfloat16")
     assert "dtype: auto" not in params.dump(p)     # reports, cache keys and subprocesses see the concrete dtype
+
+
+# ---- run names (issue 19, item 2): one folder directly under outputs/ ----------------------------
+BAD_RUN_NAMES = ["..", ".", "../x", "/tmp/x", "a/b", "a\\b", "", ".hidden", "x" * 101, "a b", "ci\n"]
+
+
+@pytest.mark.parametrize("name", BAD_RUN_NAMES)
+def test_bad_run_names_are_refused_in_yaml_and_by_run_dir(tmp_path, name):
+    import yaml
+    with pytest.raises(ParamsError) as err:
+        load_params(write(tmp_path, yaml.safe_dump({"inherit": str(Path("params/ci.yaml").resolve()),
+                                                    "run_name": name})))
+    assert str(err.value).startswith("run_name:") and "letters, digits" in str(err.value)
+    ci = load_params("params/ci.yaml")
+    with pytest.raises(ParamsError, match="^run_name:"):
+        ci.run_dir(name or ".")                    # run_dir("") means the profile's name
+    with pytest.raises(ParamsError, match="^run_name:"):
+        ci.layout(name or "..")
+
+
+@pytest.mark.parametrize("name", ["ci", "local-2", "run_1.5", "B300"])
+def test_good_run_names_stay_directly_under_outputs(name):
+    from eagle3lib.params import check_run_name
+    ci = load_params("params/ci.yaml")
+    assert check_run_name(name) == name
+    assert ci.run_dir(name).parent == ci.outputs_root() and ci.layout(name).root.name == name
+
+
+# ---- bad input (issue 19, item 5) ------------------------------------------------------------------
+@pytest.mark.parametrize("text", ["", "# only a comment\n# and another\n", "{}\n"])
+def test_empty_profile_is_refused_and_says_how_to_start(tmp_path, text):
+    path = write(tmp_path, text)
+    with pytest.raises(ParamsError) as err:
+        load_params(path)
+    assert str(path) in str(err.value) and "empty" in str(err.value) and "inherit: ci.yaml" in str(err.value)
+
+
+def test_inherit_only_profile_is_not_empty(tmp_path):
+    p = load_params(write(tmp_path, f"inherit: {Path('params/ci.yaml').resolve()}\n"))
+    assert p.run_name == "ci"
+
+
+def _float_fields():
+    import dataclasses
+    import typing
+    from eagle3lib.params import SECTIONS
+    for sec, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            if "float" in str(typing.get_type_hints(cls)[f.name]):
+                yield f"{sec}.{f.name}"
+
+
+FLOAT_FIELDS = list(_float_fields())
+
+
+def test_the_float_fields_are_found():
+    assert {"train.epochs", "train.lr", "train.time_budget_minutes", "eval.temperature"} <= set(FLOAT_FIELDS)
+
+
+@pytest.mark.parametrize("key", FLOAT_FIELDS)
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan"])
+def test_non_finite_floats_are_refused_for_every_float_field(tmp_path, key, value):
+    sec, name = key.split(".")
+    path = write(tmp_path, f"{sec}: {{{name}: {value}}}")
+    with pytest.raises(ParamsError) as err:
+        load_params(path)
+    assert str(err.value).startswith(f"{key}: must be a finite number"), str(err.value)
+    assert str(path) in str(err.value)
+
+
+def test_validate_refuses_non_finite_floats_set_in_code():
+    import dataclasses
+    from eagle3lib.params import validate
+    p = load_params("params/ci.yaml")
+    with pytest.raises(ParamsError, match="^train.epochs: must be a finite"):
+        validate(dataclasses.replace(p, train=dataclasses.replace(p.train, epochs=float("inf"))))
+
+
+@pytest.mark.parametrize("text, key", [
+    ("1: 2", "1"),                                              # an integer key at the top
+    ("train: {1: 2}", "train.1"),                               # ... and inside a section
+    ("target: {path: /models/absent, shape: {num_hidden_layers: 8, hidden_size: '64', vocab_size: 1000}}",
+     "target.shape.hidden_size"),                               # a string inside target.shape
+    ("target: {path: /models/absent, shape: {num_hidden_layers: eight, hidden_size: 64, vocab_size: 1000}}",
+     "target.shape.num_hidden_layers"),
+    ("train: {max_steps: 1.5e0}", "train.max_steps"),           # not integral: not an int
+    ("train: {lr: '1e-3'}", "train.lr"),                        # quoted: a string, says so
+    ("train: {lr: -1e-3}", "train.lr"),                         # read as a number, then validated
+])
+def test_type_errors_name_the_key_and_the_file(tmp_path, text, key):
+    path = write(tmp_path, text)
+    with pytest.raises(ParamsError) as err:
+        load_params(path)
+    assert str(err.value).startswith(key + ":"), str(err.value)
+    assert str(path) in str(err.value)
+
+
+def test_quoted_number_says_how_to_write_it(tmp_path):
+    with pytest.raises(ParamsError, match="without quotes"):
+        load_params(write(tmp_path, "train: {lr: '1e-3'}"))
+
+
+def test_non_utf8_and_broken_yaml_name_the_file(tmp_path):
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("description: caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ParamsError, match="not UTF-8") as err:
+        load_params(latin1)
+    assert str(latin1) in str(err.value)
+    broken = write(tmp_path, "train: {lr: [1\n", "broken.yaml")
+    with pytest.raises(ParamsError, match="not valid YAML") as err:
+        load_params(broken)
+    assert str(broken) in str(err.value) and "line" in str(err.value)
+
+
+def test_broken_parent_profile_is_named(tmp_path):
+    write(tmp_path, "train: {lr: [1\n", "parent.yaml")
+    with pytest.raises(ParamsError, match="parent.yaml: not valid YAML"):
+        load_params(write(tmp_path, "inherit: parent.yaml\nrun_name: x\n"))
+
+
+def test_exponent_numbers_are_read_as_numbers(tmp_path):
+    p = load_params(write(tmp_path, "train: {lr: 1e-3, weight_decay: 5E-2, max_steps: 1e3, epochs: 2.5e0}\n"
+                                    "data: {max_records: 2e3}"))
+    assert p.train.lr == 0.001 and isinstance(p.train.lr, float)
+    assert p.train.weight_decay == 0.05
+    assert p.train.max_steps == 1000 and isinstance(p.train.max_steps, int)
+    assert p.data.max_records == 2000 and isinstance(p.data.max_records, int)
+    assert p.train.epochs == 2.5
+
+
+def test_exponent_reader_leaves_other_yaml_alone(tmp_path):
+    p = load_params(write(tmp_path, "description: 1e3x\ntrain: {lr: 0.002, warmup_steps: 7}\nrun_name: e1"))
+    assert (p.description, p.train.lr, p.train.warmup_steps, p.run_name) == ("1e3x", 0.002, 7, "e1")
+    import yaml
+    assert yaml.safe_load("a: 1e-3") == {"a": "1e-3"}          # the global SafeLoader is not changed
+
+
+def test_config_json_that_is_not_json_is_a_params_error(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{not json")
+    with pytest.raises(ParamsError, match="^target.path: .*not valid JSON"):
+        load_params(write(tmp_path, f"target: {{path: {model}}}"))
