@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import sys
 import time
 from dataclasses import replace
@@ -27,6 +26,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eagle3lib.files import remove_tree  # noqa: E402
 from eagle3lib.params import load_params  # noqa: E402
 from eagle3lib.train import train  # noqa: E402
 
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         Q = replace(P, output_dir=str(work), run_name=name, train=t)
         run = Q.layout()
         if run.root.exists():
-            shutil.rmtree(run.root)
+            remove_tree(run.root, under=work)
         run.root.mkdir(parents=True)
         run.hidden("train").parent.symlink_to(src.hidden("train").parent)
         run.data.symlink_to(src.data)

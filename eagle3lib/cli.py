@@ -1,16 +1,19 @@
-"""`eagle3` console script: run the notebooks, print the capacity plan, print a resolved profile.
+"""`eagle3` console script: run the notebooks, print the capacity plan, print a resolved profile,
+compare runs.
 
     eagle3 run --params params/local.yaml [--only data,extract] [--run-name NAME]
     eagle3 plan --params params/b300.yaml
     eagle3 params --params params/ci.yaml
+    eagle3 compare local local-wd [--plot outputs/local-vs-wd.png]
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .files import RunLocked
-from .params import ParamsError, check_run_name, dump, load_params
+from .params import ParamsError, check_run_name, dump, load_params, repo_root
 
 
 def main(argv=None) -> int:
@@ -27,15 +30,21 @@ def main(argv=None) -> int:
     plan.add_argument("--params", required=True)
     show = sub.add_parser("params", help="print the fully resolved profile")
     show.add_argument("--params", required=True)
+    comp = sub.add_parser("compare", help="headline metrics and differing params of runs, and their training curves")
+    comp.add_argument("runs", nargs="+", help="run names under --outputs, or run folders")
+    comp.add_argument("--outputs", default=None, help="the outputs folder (default: outputs/ of this checkout)")
+    comp.add_argument("--plot", default=None, help="PNG of the training curves (default: none)")
     args = ap.parse_args(argv)
 
     try:
         if args.cmd == "params":
             print(dump(load_params(args.params)), end="")
         elif args.cmd == "plan":
-            from .plan import capacity_plan, format_plan, load_stats
+            from .plan import capacity_plan, format_plan, measured_stats
             p = load_params(args.params)
-            print(format_plan(capacity_plan(p, load_stats(p.run_dir()))))
+            print(format_plan(capacity_plan(p, measured_stats(p.layout()))))
+        elif args.cmd == "compare":
+            compare(args.runs, args.outputs, args.plot)
         elif args.cmd == "run":
             from .runner import NotebookFailed, run_pipeline   # papermill on the way: only for `run`
             if args.run_name is not None:
@@ -55,6 +64,24 @@ def main(argv=None) -> int:
         print(f"eagle3: {e}", file=sys.stderr)
         return 3
     return 0
+
+
+def compare(runs: list, outputs=None, plot=None) -> None:
+    """Print the markdown tables of report.compare_runs; save the training curves to `plot`."""
+    from .report import compare_runs, markdown_table, plot_training_curves   # pandas/matplotlib: only here
+    root = Path(outputs) if outputs else repo_root() / "outputs"
+    folders = [root / r if (root / r).is_dir() else Path(r) for r in runs]
+    missing = [str(f) for f in folders if not (f / "metrics.json").is_file()]
+    if missing:
+        raise FileNotFoundError(f"no metrics.json in {', '.join(missing)}: name runs under {root} "
+                                "(or give run folders), each run by `eagle3 run` at least in part")
+    metrics, params = compare_runs(folders)
+    print(markdown_table(metrics, "quantity"))
+    print()
+    print(markdown_table(params, "param") if len(params) else "(the runs' params are the same)")
+    if plot:
+        plot_training_curves(folders).savefig(plot, dpi=100, bbox_inches="tight")
+        print(f"\ntraining curves: {plot}")
 
 
 if __name__ == "__main__":

@@ -4,17 +4,29 @@ Executed copies go to outputs/<run>/<notebook>.ipynb with an HTML export beside 
 stops at the first failing notebook and names the failing cell. The profile and the run name
 are validated before anything heavy starts, and the run holds outputs/<run>/.lock throughout
 (files.run_lock): a second run on the same folder stops at once naming the pid that holds it.
+
+While a notebook runs, the terminal shows papermill's cell counter and the library's own progress
+bars as text lines (progress.py; the kernel's stderr is streamed here), after the stage's expected
+duration (the capacity plan, or the same stage's wall time in this run folder's last run). After
+every stage, finished or failed, the runner records its wall time in metrics.json (section
+`runner`, with the git commit and the machine) and rewrites outputs/<run>/index.html (report.py).
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .files import is_strictly_inside, run_lock
+from .files import is_strictly_inside, read_json, run_lock, update_metrics
 from .layout import RunLayout
-from .params import Params, ParamsError, check_run_name, load_params, repo_root, resolve_path
+from .params import Params, ParamsError, check_run_name, dump, load_params, repo_root, resolve_path
+from .plan import capacity_plan, measured_stats
+from .progress import INTERVAL_ENV, PROGRESS_ENV
+from .report import git_commit, machine_info, write_index
 
 # Stage name -> notebook file (execution order).
 STAGES = {
@@ -86,13 +98,63 @@ def run_pipeline(params_path: str, only: Optional[str] = None, run_name: Optiona
         raise ParamsError(f"run_name: {layout.root} resolves outside {p.outputs_root()} (a symlink?); "
                           "use another run name or remove the link")
     with run_lock(layout.root, log=log):
+        record_run(p, layout, params_file)
+        expected = expected_seconds(p, layout)
         return [_run_stage(stage, layout, notebooks_dir,
-                           {"params_path": params_file, "run_name": run_name}, html, log)
+                           {"params_path": params_file, "run_name": run_name}, html, log, expected.get(stage))
                 for stage in stages]
 
 
+def record_run(p: Params, layout: RunLayout, params_file: str) -> None:
+    """params.yaml (the resolved profile) and metrics.json's `runner` section: what ran, where."""
+    layout.params.write_text(dump(p))
+    update_metrics(layout.root, "runner", {"params_path": params_file, "git_commit": git_commit(repo_root()),
+                                           "machine": machine_info()})
+
+
+def expected_seconds(p: Params, layout: RunLayout) -> dict:
+    """{stage: (seconds, basis)}: this run folder's last wall time of the stage, else the capacity
+    plan's hours for regeneration (data), extraction and training; stages with neither are absent."""
+    plan = capacity_plan(p, measured_stats(layout))
+    out = {stage: (plan[key] * 3600, f"capacity plan, throughput {plan['throughput_basis']}")
+           for stage, key in (("data", "regen_hours"), ("extract", "extract_hours"), ("train", "train_hours"))}
+    if p.train.time_budget_minutes is not None:
+        out["train"] = (min(out["train"][0], 60 * p.train.time_budget_minutes), "train.time_budget_minutes")
+    last = read_json(layout.metrics).get("runner", {}).get("stage_seconds", {}) if layout.metrics.is_file() else {}
+    out.update({stage: (s, "this run folder's last run") for stage, s in last.items()})
+    return out
+
+
+@contextlib.contextmanager
+def _streaming_kernel_progress():
+    """The kernels started inside draw the library's progress bars as text lines (progress.py)."""
+    old = {k: os.environ.get(k) for k in (PROGRESS_ENV, INTERVAL_ENV)}
+    os.environ[PROGRESS_ENV] = "text"
+    os.environ.setdefault(INTERVAL_ENV, "30")
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
+def _finish_stage(layout: RunLayout, stage: str, seconds: float, log) -> None:
+    """Record the stage's wall time and rewrite the run's index page (also after a failure)."""
+    metrics = read_json(layout.metrics) if layout.metrics.is_file() else {}
+    times = {**metrics.get("runner", {}).get("stage_seconds", {}), stage: round(seconds, 1)}
+    update_metrics(layout.root, "runner", {"stage_seconds": times})
+    log(f"[eagle3] report: {write_index(layout.root)}")
+
+
 def _run_stage(stage: str, layout: RunLayout, notebooks_dir: Path, parameters: dict, html: bool,
-               log) -> StageResult:
+               log, expected: Optional[tuple] = None) -> StageResult:
     """Execute one notebook into the run folder (with an HTML export); NotebookFailed names the cell."""
     import papermill as pm                          # heavy (jupyter); `eagle3 params/plan` stay light
     from papermill.exceptions import PapermillExecutionError
@@ -101,17 +163,22 @@ def _run_stage(stage: str, layout: RunLayout, notebooks_dir: Path, parameters: d
     if not src.is_file():
         raise FileNotFoundError(f"notebook for stage {stage!r} not found: {src}")
     dst = layout.notebook(Path(STAGES[stage]).stem)
-    log(f"[eagle3] {stage}: {src.name} -> {dst}")
+    eta = f" (expected ~{_duration(expected[0])}: {expected[1]})" if expected else ""
+    log(f"[eagle3] {stage}: {src.name} -> {dst}{eta}")
     t0 = time.time()
     try:
-        pm.execute_notebook(str(src), str(dst), cwd=str(notebooks_dir), kernel_name="python3",
-                            parameters=parameters, progress_bar=False, log_output=False)
+        with _streaming_kernel_progress():
+            pm.execute_notebook(str(src), str(dst), cwd=str(notebooks_dir), kernel_name="python3",
+                                parameters=parameters, progress_bar=True, log_output=False,
+                                stderr_file=sys.stderr)
     except PapermillExecutionError as e:
         if html and dst.is_file():
             export_html(dst)
+        _finish_stage(layout, stage, time.time() - t0, log)
         raise NotebookFailed(f"notebook {src.name} failed at {_failed_cell(e)} "
                              f"(executed copy: {dst})") from None
     out_html = export_html(dst) if html else None
     result = StageResult(stage, dst, out_html, time.time() - t0)
     log(f"[eagle3] {stage}: done in {result.seconds:.0f} s")
+    _finish_stage(layout, stage, result.seconds, log)
     return result

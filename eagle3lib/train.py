@@ -36,7 +36,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -56,7 +55,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .batches import aux_scale, bucket_batches, collate, fold_aux_scale
 from .cache import MANIFEST, HiddenCache, check_cache
 from .dist import Dist
-from .files import atomic_dir, atomic_write_json, read_json
+from .files import atomic_dir, atomic_write_json, read_json, remove_tree, run_lock
 from .layout import RunLayout
 from .model import Eagle3Config, Eagle3Drafter
 from .objective import Scoring, TTTObjective, add_feature_noise, build_scoring, evaluate, prepare_batch
@@ -146,9 +145,9 @@ def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizers: li
     with atomic_dir(final) as tmp:
         save_file(tensors, str(tmp / CHECKPOINT_FILE), metadata={"eagle3lab": json.dumps(meta, default=str)})
     for old in sorted(ckpt_root.glob("step-*"))[:-KEEP_CHECKPOINTS]:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_tree(old, under=ckpt_root, ignore_errors=True)
     for stale in ckpt_root.glob(".step-*"):             # temp folders of killed runs (atomic_dir)
-        shutil.rmtree(stale, ignore_errors=True)
+        remove_tree(stale, under=ckpt_root, ignore_errors=True)
     return final
 
 
@@ -454,7 +453,7 @@ def resume(run: TrainRun) -> None:
     ckpt_root = run.layout.checkpoints
     ckpt = latest_checkpoint(ckpt_root) if run.P.train.resume else None
     if not run.P.train.resume and run.dist.rank == 0 and ckpt_root.exists():
-        shutil.rmtree(ckpt_root)
+        remove_tree(ckpt_root, under=run.layout.root)
     run.dist.barrier()
     if ckpt is None:
         return
@@ -641,8 +640,12 @@ def main(argv=None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
     P = load_params(a.params)
-    summary = train(P, P.run_dir(a.run_name), progress=not a.no_progress)
-    if int(os.environ.get("RANK", "0")) == 0:
+    run_dir = P.run_dir(a.run_name)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    # one lock per run folder, held by rank 0 (a child of `eagle3 run` enters the runner's lock)
+    with run_lock(run_dir) if rank0 else contextlib.nullcontext():
+        summary = train(P, run_dir, progress=not a.no_progress)
+    if rank0:
         print(json.dumps(summary, indent=2, default=str))
     return 0
 

@@ -65,3 +65,43 @@ def test_compare_lists_headlines_and_only_the_params_that_differ(tmp_path):
     loss_ax, acc_ax = fig.axes
     assert len(loss_ax.lines) == 4 and len(acc_ax.lines) == 2                # smoothed + raw per run; held-out
     assert list(acc_ax.lines[1].get_ydata()) == [1.15, 1.3]
+
+
+def test_runner_writes_the_index_after_every_stage_even_a_failed_one(tmp_path):
+    import nbformat
+    from eagle3lib.params import repo_root
+    from eagle3lib.runner import NotebookFailed, run_pipeline
+
+    def notebook(cells):
+        nb = nbformat.v4.new_notebook()
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+        params = nbformat.v4.new_code_cell('params_path = "params/ci.yaml"\nrun_name = None')
+        params.metadata["tags"] = ["parameters"]
+        nb.cells = [params] + [nbformat.v4.new_code_cell(c) for c in cells]
+        return nb
+
+    nbdir = tmp_path / "notebooks"
+    nbdir.mkdir()
+    nbformat.write(notebook(["from eagle3lib.params import load_params\n"
+                             "from eagle3lib.files import update_metrics\n"
+                             "update_metrics(load_params(params_path).run_dir(run_name), 'data', "
+                             "{'train_conversations': 4321})"]), str(nbdir / "02_data.ipynb"))
+    nbformat.write(notebook(["raise ValueError('boom')"]), str(nbdir / "03_extract.ipynb"))
+    prof = tmp_path / "p.yaml"
+    prof.write_text(f"inherit: {repo_root() / 'params/ci.yaml'}\noutput_dir: {tmp_path / 'out'}\n"
+                    "run_name: t\ntrain: {lr: 0.0042}\n")
+    lines = []
+    try:
+        run_pipeline(str(prof), only="data,extract", notebooks_dir=nbdir, html=False, log=lines.append)
+        raise AssertionError("the failing notebook did not stop the run")
+    except NotebookFailed:
+        pass
+    run = tmp_path / "out" / "t"
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert set(metrics["runner"]["stage_seconds"]) == {"data", "extract"}     # the failed stage too
+    assert metrics["runner"]["machine"]["cores"] >= 1
+    assert yaml.safe_load((run / "params.yaml").read_text())["train"]["lr"] == 0.0042
+    md = (run / "index.md").read_text()
+    assert "| data | train chats | 4,321 |" in md
+    assert "lr: 0.0042" in (run / "index.html").read_text()
+    assert any(line.startswith("[eagle3] data: 02_data.ipynb") and "expected ~" in line for line in lines)
