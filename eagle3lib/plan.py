@@ -5,7 +5,7 @@ Everything here is arithmetic on the params profile plus a few stated throughput
 utilisation for GPU boxes). It imports nothing heavy so `eagle3 plan` answers at once.
 
 Tokens per conversation are measured when the run's data stage has run with the same data params
-(`data/stats.json`, read by `data.load_stats`), else estimated from the constants below.
+(`data/stats.json`, read by `stats.load_stats`), else estimated from the constants below.
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from .data import DataStats, load_stats as load_data_stats
 from .layout import RunLayout
 from .params import Params
+from .stats import DataStats, load_stats as load_data_stats
 
 # Mean tokens of one ShareGPT conversation after the chat template (measured on SmolLM2's
 # tokenizer over the first 2,000 records, see NOTES.md); truncation caps it at max_length.
@@ -82,7 +82,7 @@ def regenerated_conversations(p: Params, n_conv: int) -> int:
 
 
 def measured_stats(run: RunLayout | str | os.PathLike) -> Optional[DataStats]:
-    """The run's data stats (`data.load_stats`), or None before its data stage has run."""
+    """The run's data stats (`stats.load_stats`), or None before its data stage has run."""
     layout = run if isinstance(run, RunLayout) else RunLayout(run)
     return load_data_stats(layout.root) if layout.stats.is_file() else None
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle3lib import chats as C
 from eagle3lib import data as D
 from eagle3lib.layout import RunLayout
 from eagle3lib.params import load_params
@@ -43,7 +44,7 @@ def openai(*turns, **extra):
 def test_normalize_sharegpt_form():
     rec = sharegpt(("system", "Be nice."), ("human", "Hi"), ("gpt", "Hello"), ("user", "Bye"),
                    ("assistant", "Ciao"))
-    assert D.normalize_chat(rec) == [
+    assert C.normalize_chat(rec) == [
         {"role": "system", "content": "Be nice."}, {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"},
         {"role": "assistant", "content": "Ciao"}]
@@ -53,7 +54,7 @@ def test_normalize_openai_form_with_text_parts():
     rec = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                      {"type": "text", "text": "b"}]},
                         {"role": "assistant", "content": "c"}]}
-    assert D.normalize_chat(rec) == [{"role": "user", "content": "ab"},
+    assert C.normalize_chat(rec) == [{"role": "user", "content": "ab"},
                                      {"role": "assistant", "content": "c"}]
 
 
@@ -61,7 +62,7 @@ def test_repairs_are_counted():
     repairs = Counter()
     rec = sharegpt(("gpt", "answer to a question we lost"), ("human", "q"), ("gpt", "a"),
                    ("human", "unanswered"))
-    assert D.normalize_chat(rec, repairs) == [{"role": "user", "content": "q"},
+    assert C.normalize_chat(rec, repairs) == [{"role": "user", "content": "q"},
                                               {"role": "assistant", "content": "a"}]
     assert repairs == Counter({"dropped_leading_assistant": 1, "dropped_trailing_user": 1})
 
@@ -90,8 +91,8 @@ MALFORMED = [
 
 @pytest.mark.parametrize("reason,record", MALFORMED)
 def test_malformed_reason(reason, record):
-    with pytest.raises(D.MalformedRecord) as e:
-        D.normalize_chat(record)
+    with pytest.raises(C.MalformedRecord) as e:
+        C.normalize_chat(record)
     assert e.value.reason == reason
 
 
@@ -112,7 +113,7 @@ def test_local_jsonl_openai_form_counts_every_record(tmp_path):
         openai(("user", "x"), ("assistant", "y")),                                    # no id
     ]
     path = write_jsonl(tmp_path / "chats.jsonl", records)
-    chats, stats = D.load_chats(str(path))
+    chats, stats = C.load_chats(str(path))
     assert stats["records_read"] == 10
     assert stats["malformed"] == {"invalid_json": 1, "no_assistant_turn": 1, "unknown_role": 1}
     assert stats["duplicates"] == 1 and stats["renamed_ids"] == 1
@@ -122,7 +123,7 @@ def test_local_jsonl_openai_form_counts_every_record(tmp_path):
     assert chats[0]["messages"] == [{"role": "user", "content": "question 0"},
                                     {"role": "assistant", "content": "answer 0"}]
     # max_records counts raw records, malformed ones included
-    chats, stats = D.load_chats(str(path), max_records=7)
+    chats, stats = C.load_chats(str(path), max_records=7)
     assert stats["records_read"] == 7 and stats["malformed"] == {"invalid_json": 1}
 
 
@@ -131,56 +132,56 @@ def test_json_array_truncated_and_invalid(tmp_path):
     text = json.dumps(recs, indent=1)
     cut = tmp_path / "cut.json"
     cut.write_text(text[: text.rindex('"a2"')])       # cut inside the last record
-    items = list(D.iter_raw_records(str(cut)))
+    items = list(C.iter_raw_records(str(cut)))
     assert [type(x).__name__ for x in items] == ["dict", "dict", "MalformedRecord"]
     assert items[-1].reason == "truncated"
     bad = tmp_path / "bad.json"
     bad.write_text(text[: text.rindex('"a2"')] + "oops]")
-    assert list(D.iter_raw_records(str(bad)))[-1].reason == "invalid_json"
+    assert list(C.iter_raw_records(str(bad)))[-1].reason == "invalid_json"
     whole = tmp_path / "whole.json"
     whole.write_text(text)
-    chats, stats = D.load_chats(str(whole))
+    chats, stats = C.load_chats(str(whole))
     assert stats["valid"] == 3 and stats["malformed_total"] == 0
 
 
 def test_sharegpt_reader_reads_every_whole_record():
-    items = list(D.iter_raw_records("sharegpt"))
+    items = list(C.iter_raw_records("sharegpt"))
     whole = [x for x in items if isinstance(x, dict)]
     broken = [x for x in items if not isinstance(x, dict)]
     assert len(whole) == 17671
     assert len(broken) == 1 and broken[0].reason == "truncated" and items[-1] is broken[0]
     assert all("conversations" in r and "id" in r for r in whole[:100])
-    first = list(D.iter_raw_records("sharegpt", max_records=50))
+    first = list(C.iter_raw_records("sharegpt", max_records=50))
     assert len(first) == 50 and first == whole[:50]
 
 
 # ---- split --------------------------------------------------------------------------------
 def test_split_is_deterministic_and_disjoint():
-    chats, _ = D.load_chats("sharegpt", max_records=400)
-    ev, pool = D.split_chats(chats, 30, seed=0)
+    chats, _ = C.load_chats("sharegpt", max_records=400)
+    ev, pool = C.split_chats(chats, 30, seed=0)
     shuffled = chats[:]
     random.Random(1).shuffle(shuffled)
-    ev2, pool2 = D.split_chats(shuffled, 30, seed=0)
+    ev2, pool2 = C.split_chats(shuffled, 30, seed=0)
     assert [c["id"] for c in ev] == [c["id"] for c in ev2]
     assert [c["id"] for c in pool] == [c["id"] for c in pool2]
     assert len(ev) == 30 and len(ev) + len(pool) == len(chats)
     assert not {c["id"] for c in ev} & {c["id"] for c in pool}
-    assert not ({D.chat_hash(c["messages"]) for c in ev} & {D.chat_hash(c["messages"]) for c in pool})
-    ev3, _ = D.split_chats(chats, 30, seed=1)
+    assert not ({C.chat_hash(c["messages"]) for c in ev} & {C.chat_hash(c["messages"]) for c in pool})
+    ev3, _ = C.split_chats(chats, 30, seed=1)
     assert {c["id"] for c in ev3} != {c["id"] for c in ev}
     with pytest.raises(ValueError, match="num_eval"):
-        D.split_chats(chats, len(chats), seed=0)
+        C.split_chats(chats, len(chats), seed=0)
 
 
 def test_duplicate_content_never_crosses_the_split(tmp_path):
     # Many copies of one chat under different ids: all but one are dropped before the split.
     recs = [openai(("user", "same"), ("assistant", "same answer"), id=f"copy{i}") for i in range(20)]
     recs += [openai(("user", f"q{i}"), ("assistant", f"a{i}"), id=f"u{i}") for i in range(20)]
-    chats, stats = D.load_chats(str(write_jsonl(tmp_path / "d.jsonl", recs)))
+    chats, stats = C.load_chats(str(write_jsonl(tmp_path / "d.jsonl", recs)))
     assert stats["duplicates"] == 19
-    ev, pool = D.split_chats(chats, 5, seed=3)
-    hashes_ev = {D.chat_hash(c["messages"]) for c in ev}
-    assert not hashes_ev & {D.chat_hash(c["messages"]) for c in pool}
+    ev, pool = C.split_chats(chats, 5, seed=3)
+    hashes_ev = {C.chat_hash(c["messages"]) for c in ev}
+    assert not hashes_ev & {C.chat_hash(c["messages"]) for c in pool}
 
 
 # ---- chat template and loss mask --------------------------------------------------------------
@@ -497,7 +498,7 @@ def test_prepare_data_regenerates_only_the_first_regen_num_train(tiny_target_dir
     assert regen.conversations == 2 + 2                     # 2 training + 2 held-out chats
     assert regen.train_original_answers == 3
     results = results_by_id(regen_dir(P, run_dir))
-    eval_chats, pool, _ = D.held_out_chats(P)
+    eval_chats, pool, _ = C.held_out_chats(P)
     from eagle3lib.target import load_tokenizer
     tok = load_tokenizer(tiny_target_dir)
     chosen, _ = D.select_train(tok, pool, 5, P.data.max_length, progress=False)
@@ -599,13 +600,13 @@ def test_non_utf8_records_are_counted_as_malformed(tmp_path):
     lines[1] = lines[1].replace(b'"q1"', b'"q\xff1"')
     jsonl = tmp_path / "bad.jsonl"
     jsonl.write_bytes(b"\n".join(lines) + b"\n")
-    chats, stats = D.load_chats(str(jsonl))
+    chats, stats = C.load_chats(str(jsonl))
     assert stats["malformed"] == {"not_utf8": 1} and [c["id"] for c in chats] == ["c0", "c2"]
-    bad = [r for r in D.iter_raw_records(str(jsonl)) if isinstance(r, D.MalformedRecord)]
+    bad = [r for r in C.iter_raw_records(str(jsonl)) if isinstance(r, C.MalformedRecord)]
     assert "bad.jsonl line 2" in str(bad[0]) and "\\xff" in str(bad[0])
     array = tmp_path / "bad.json"
     array.write_bytes(json.dumps(recs).encode().replace(b'"a2"', b'"a\xc3\x282"'))  # invalid 2-byte seq
-    chats, stats = D.load_chats(str(array))
+    chats, stats = C.load_chats(str(array))
     assert stats["malformed"] == {"not_utf8": 1} and [c["id"] for c in chats] == ["c0", "c1"]
     assert stats["records_read"] == 3
 

@@ -6,10 +6,11 @@ import sys
 import nbformat
 import pytest
 
-from eagle3lib.data import DataStats, SplitStats, prepare_data
+from eagle3lib.data import prepare_data
 from eagle3lib.params import ParamsError, load_params
 from eagle3lib.plan import capacity_plan, format_plan, load_stats
 from eagle3lib.runner import NotebookFailed, run_pipeline, select_stages
+from eagle3lib.stats import DataStats, SplitStats
 
 
 def test_cache_bytes_per_token_is_four_hidden_states_in_bf16():

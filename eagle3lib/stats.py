@@ -1,0 +1,120 @@
+"""The data stage's report `<run>/data/stats.json`, typed, and its one reader. Light (no torch,
+no tokenizer), so `eagle3 plan` reads measured token counts at once.
+
+    stats = load_stats(run_dir)            # DataStats; raises FileNotFoundError before the data stage
+    stats.train.tokens / stats.train.conversations, stats.regen (None without regeneration)
+
+Written by `data.prepare_data` (`DataStats.to_json`), last, as the stage's completion marker.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Optional
+
+from .files import read_json
+from .layout import RunLayout
+
+
+@dataclass(frozen=True)
+class SplitStats:
+    """One tokenised split ("train" or "eval" in stats.json)."""
+    conversations: int
+    tokens: int                       # after truncation to data.max_length
+    assistant_tokens: int             # tokens with loss mask 1
+    truncated: int
+    dropped_no_assistant_tokens: int
+    template_error: int
+
+    @classmethod
+    def from_json(cls, d: dict) -> "SplitStats":
+        return cls(**{f.name: int(d[f.name]) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class RegenStats:
+    """Regeneration by the target (stats.json "regen"; regenerate.regenerate_chats plus the split)."""
+    backend: str
+    conversations: int
+    regenerated: int
+    from_cache: int
+    kept: int
+    dropped_empty: int
+    dropped_too_long: int
+    empty_outputs: int
+    capped: int
+    assistant_turns: int
+    new_tokens_total: int
+    new_tokens_this_run: int
+    seconds_this_run: float
+    tokens_per_s_this_run: Optional[float]
+    dir: str
+    train_regenerated: int
+    train_original_answers: int
+
+    @classmethod
+    def from_json(cls, d: dict) -> "RegenStats":
+        speed = d["tokens_per_s_this_run"]
+        return cls(**{f.name: int(d[f.name]) for f in fields(cls) if f.type == "int"},
+                   backend=str(d["backend"]), dir=str(d["dir"]),
+                   seconds_this_run=float(d["seconds_this_run"]),
+                   tokens_per_s_this_run=None if speed is None else float(speed))
+
+
+@dataclass(frozen=True)
+class DataStats:
+    """`<run>/data/stats.json`, the data stage's report and completion marker (see prepare_data)."""
+    cache_key: dict[str, str]         # what the outputs were built from (cache_key(P))
+    source: str
+    records_read: int
+    valid: int
+    malformed: dict[str, int]         # reason (chats.MALFORMED_REASONS) -> records
+    malformed_total: int
+    repairs: dict[str, int]
+    duplicates: int
+    renamed_ids: int
+    eval_prompts: int
+    train_skipped_prompt_too_long: int
+    train: SplitStats
+    eval: SplitStats
+    regen: Optional[RegenStats]       # None when data.regenerate is off
+    vocab_size: int
+    draft_vocab_size: int
+    distinct_assistant_tokens: int
+    coverage_train: float
+    coverage_eval: float
+    coverage_curve: dict[str, float]  # str(draft vocabulary size) -> coverage of the train answers
+    seconds: float
+    cached: bool = False              # not stored: prepare_data returned the stored stats
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        del d["cached"]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "DataStats":
+        counts = ("records_read", "valid", "malformed_total", "duplicates", "renamed_ids",
+                  "eval_prompts", "train_skipped_prompt_too_long", "vocab_size", "draft_vocab_size",
+                  "distinct_assistant_tokens")
+        return cls(**{k: int(d[k]) for k in counts},
+                   cache_key={str(k): str(v) for k, v in d["cache_key"].items()},
+                   source=str(d["source"]),
+                   malformed={str(k): int(v) for k, v in d["malformed"].items()},
+                   repairs={str(k): int(v) for k, v in d["repairs"].items()},
+                   train=SplitStats.from_json(d["train"]), eval=SplitStats.from_json(d["eval"]),
+                   regen=None if d["regen"] is None else RegenStats.from_json(d["regen"]),
+                   coverage_train=float(d["coverage_train"]), coverage_eval=float(d["coverage_eval"]),
+                   coverage_curve={str(k): float(v) for k, v in d["coverage_curve"].items()},
+                   seconds=float(d["seconds"]))
+
+
+def load_stats(run_dir) -> DataStats:
+    """The one reader of `<run>/data/stats.json` (plan.py, notebooks 00 and 02 use it)."""
+    path = RunLayout(run_dir).stats
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: run data.prepare_data (notebook 02) first")
+    try:
+        return DataStats.from_json(read_json(path))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{path}: not a data stats file of this version ({type(e).__name__}: {e}); "
+                         f"rerun the data stage (notebook 02, or prepare_data(P, run_dir, force=True))") from e
