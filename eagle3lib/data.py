@@ -24,7 +24,6 @@ from __future__ import annotations
 import html
 import json
 import os
-import shutil
 import tempfile
 import time
 from collections import Counter
@@ -32,13 +31,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from tqdm.auto import tqdm
 
 from . import vocab as vocab_lib
 from .chats import MalformedRecord, first_user_prompt, held_out_chats, normalize_chat, source_sha256
-from .files import atomic_write_json, read_json
+from .files import atomic_write_json, read_json, remove_tree
 from .layout import RunLayout
 from .params import resolve_path
+from .progress import tqdm
 from .regenerate import regen_key, regenerate_chats
 from .stats import DataStats, RegenStats, SplitStats, load_stats
 from .target import load_tokenizer, target_path
@@ -321,12 +320,12 @@ def _write_outputs(layout: RunLayout, train_cols: dict, eval_cols: dict, eval_ch
         layout.stats.unlink(missing_ok=True)  # the marker goes first, comes back last
         for final, built in staged.items():
             if final.is_dir():
-                shutil.rmtree(final)
+                remove_tree(final, under=layout.data)
             elif final.exists():
                 final.unlink()
             os.replace(built, final)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp, under=layout.data, ignore_errors=True)
 
 
 def prepare_data(P, run_dir, progress: bool = True, force: bool = False) -> DataStats:

@@ -87,10 +87,6 @@ def measured_stats(run: RunLayout | str | os.PathLike) -> Optional[DataStats]:
     return load_data_stats(layout.root) if layout.stats.is_file() else None
 
 
-# The name cli.py imports (it passes p.run_dir()); measured_stats(p.layout()) is the new spelling.
-load_stats = measured_stats
-
-
 def uses_measured_tokens(p: Params, stats: Optional[DataStats]) -> bool:
     """Whether `stats` measured this profile's data: same data params, and a non-empty train set."""
     return (stats is not None and stats.cache_key.get("data_hash") == p.section_hash("data")

@@ -39,10 +39,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, Optional
 
-from tqdm.auto import tqdm
 
 from .files import atomic_write_bytes, atomic_write_json
 from .layout import RunLayout
+from .progress import tqdm
 from .target import load_target, load_tokenizer, target_path
 
 # generate(conversations, seeds) -> [(text, new_tokens, capped)]
@@ -223,8 +223,7 @@ class HFGenerator:
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
 
     def __call__(self, conversations: list, seeds: list) -> list:
-        # torch and transformers (~3 s): only this backend needs them, and data.py (imported by
-        # `eagle3 plan` for load_stats) imports this module for regen_key.
+        # torch and transformers (~3 s): only this backend needs them (vLLM runs in a subprocess)
         import torch
         from transformers import GenerationConfig
         tok = self.tokenizer

@@ -8,7 +8,7 @@ import pytest
 
 from eagle3lib.data import prepare_data
 from eagle3lib.params import ParamsError, load_params
-from eagle3lib.plan import capacity_plan, format_plan, load_stats
+from eagle3lib.plan import capacity_plan, format_plan, measured_stats
 from eagle3lib.runner import NotebookFailed, run_pipeline, select_stages
 from eagle3lib.stats import DataStats, SplitStats
 
@@ -62,14 +62,14 @@ def test_plan_reads_the_stats_json_of_a_real_data_stage(tiny_target_dir, tmp_pat
     tokens_per_conv = raw["train"]["tokens"] / raw["train"]["conversations"]
     estimated = capacity_plan(p)
     assert estimated["tokens_per_conversation"] != round(tokens_per_conv, 1)   # the test can tell
-    plan = capacity_plan(p, load_stats(p.run_dir()))
+    plan = capacity_plan(p, measured_stats(p.run_dir()))
     assert plan["tokens_per_conversation"] == round(tokens_per_conv, 1)
     assert plan["tokens_to_extract"] == int(plan["train_conversations"] * tokens_per_conv)
     assert plan["tokens_basis"].startswith("measured") and estimated["tokens_basis"] == "estimated"
     # Stats measured with other data params are not this profile's: the estimate is kept.
     other = load_params("params/ci.yaml", {**ci, "data": {"regen_temperature": 1.0, "max_length": 256}})
-    assert capacity_plan(other, load_stats(p.run_dir())) == capacity_plan(other)
-    assert load_stats(tmp_path / "no-such-run") is None
+    assert capacity_plan(other, measured_stats(p.run_dir())) == capacity_plan(other)
+    assert measured_stats(tmp_path / "no-such-run") is None
 
 
 def test_plan_counts_only_regenerated_chats_as_regeneration():
