@@ -6,6 +6,7 @@ import sys
 import nbformat
 import pytest
 
+from tiny_notebooks import tiny_notebook
 from eagle3lib.data import prepare_data
 from eagle3lib.params import ParamsError, load_params
 from eagle3lib.plan import capacity_plan, format_plan, measured_stats
@@ -107,26 +108,17 @@ def test_bad_profile_stops_before_any_work(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def _notebook(cells):
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    params = nbformat.v4.new_code_cell('params_path = "params/ci.yaml"\nrun_name = None')
-    params.metadata["tags"] = ["parameters"]
-    nb.cells = [params] + [nbformat.v4.new_code_cell(c) for c in cells]
-    return nb
-
-
 def test_runner_executes_writes_html_and_names_the_failing_cell(tmp_path):
     nbdir = tmp_path / "notebooks"
     nbdir.mkdir()
     prof = tmp_path / "p.yaml"
     prof.write_text(f"inherit: {load_params.__globals__['repo_root']() / 'params/ci.yaml'}\n"
                     f"output_dir: {tmp_path / 'out'}\nrun_name: t\n")
-    ok = _notebook(["import json, pathlib\n"
+    ok = tiny_notebook(["import json, pathlib\n"
                     "from eagle3lib.params import load_params\n"
                     "P = load_params(params_path)\n"
                     "pathlib.Path(P.run_dir(run_name), 'seen.json').write_text(json.dumps([params_path, run_name]))"])
-    bad = _notebook(["x = 1", "raise ValueError('boom in data')"])
+    bad = tiny_notebook(["x = 1", "raise ValueError('boom in data')"])
     nbformat.write(ok, str(nbdir / "00_research.ipynb"))
     nbformat.write(bad, str(nbdir / "01_ngram_baseline.ipynb"))
 

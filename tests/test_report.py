@@ -4,10 +4,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import nbformat
 import yaml
 
-from eagle3lib.params import dump, load_params
+from eagle3lib.params import dump, load_params, repo_root
 from eagle3lib.report import compare_runs, markdown_table, plot_training_curves, write_index
+from eagle3lib.runner import NotebookFailed, run_pipeline
+from tiny_notebooks import tiny_notebook
 
 
 def fake_run(root: Path, name: str, lr: float, acc: float, with_eval: bool = True) -> Path:
@@ -68,25 +71,13 @@ def test_compare_lists_headlines_and_only_the_params_that_differ(tmp_path):
 
 
 def test_runner_writes_the_index_after_every_stage_even_a_failed_one(tmp_path):
-    import nbformat
-    from eagle3lib.params import repo_root
-    from eagle3lib.runner import NotebookFailed, run_pipeline
-
-    def notebook(cells):
-        nb = nbformat.v4.new_notebook()
-        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-        params = nbformat.v4.new_code_cell('params_path = "params/ci.yaml"\nrun_name = None')
-        params.metadata["tags"] = ["parameters"]
-        nb.cells = [params] + [nbformat.v4.new_code_cell(c) for c in cells]
-        return nb
-
     nbdir = tmp_path / "notebooks"
     nbdir.mkdir()
-    nbformat.write(notebook(["from eagle3lib.params import load_params\n"
+    nbformat.write(tiny_notebook(["from eagle3lib.params import load_params\n"
                              "from eagle3lib.files import update_metrics\n"
                              "update_metrics(load_params(params_path).run_dir(run_name), 'data', "
                              "{'train_conversations': 4321})"]), str(nbdir / "02_data.ipynb"))
-    nbformat.write(notebook(["raise ValueError('boom')"]), str(nbdir / "03_extract.ipynb"))
+    nbformat.write(tiny_notebook(["raise ValueError('boom')"]), str(nbdir / "03_extract.ipynb"))
     prof = tmp_path / "p.yaml"
     prof.write_text(f"inherit: {repo_root() / 'params/ci.yaml'}\noutput_dir: {tmp_path / 'out'}\n"
                     "run_name: t\ntrain: {lr: 0.0042}\n")

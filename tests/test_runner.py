@@ -8,6 +8,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from tiny_notebooks import tiny_notebook
 from eagle3lib.files import LOCK_TOKEN_ENV, RunLocked
 from eagle3lib.layout import RunLayout
 from eagle3lib.params import ParamsError, repo_root
@@ -20,15 +21,6 @@ def profile(tmp_path: Path, run_name="t") -> Path:
     path = tmp_path / "p.yaml"
     path.write_text(f"inherit: {CI}\noutput_dir: {tmp_path / 'out'}\nrun_name: {run_name}\n")
     return path
-
-
-def notebook(cells) -> nbformat.NotebookNode:
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    params = nbformat.v4.new_code_cell('params_path = "params/ci.yaml"\nrun_name = None')
-    params.metadata["tags"] = ["parameters"]
-    nb.cells = [params] + [nbformat.v4.new_code_cell(c) for c in cells]
-    return nb
 
 
 def files_under(folder: Path) -> set:
@@ -70,7 +62,7 @@ def test_run_stops_at_once_when_another_process_holds_the_folder(tmp_path, monke
         assert holder.stdout.readline().strip() == "held"
         nbdir = tmp_path / "nb"
         nbdir.mkdir()
-        nbformat.write(notebook(["open('ran', 'w')"]), str(nbdir / "00_research.ipynb"))
+        nbformat.write(tiny_notebook(["open('ran', 'w')"]), str(nbdir / "00_research.ipynb"))
         with pytest.raises(RunLocked, match=f"in use by pid {holder.pid}"):
             run_pipeline(str(profile(tmp_path)), only="research", notebooks_dir=nbdir, log=lambda *a: None)
         assert not (nbdir / "ran").exists() and not RunLayout(run_dir).notebook("00_research").exists()
@@ -88,7 +80,7 @@ def test_run_holds_the_lock_lets_its_notebooks_in_and_releases_it_on_failure(tmp
     monkeypatch.delenv(LOCK_TOKEN_ENV, raising=False)
     nbdir = tmp_path / "nb"
     nbdir.mkdir()
-    nbformat.write(notebook([
+    nbformat.write(tiny_notebook([
         "import json, os\n"
         "from eagle3lib.files import run_lock\n"
         "from eagle3lib.params import load_params\n"
