@@ -37,6 +37,7 @@ from typing import Union
 import torch
 
 from .files import atomic_dir, atomic_write_json
+from .target import load_target_tensors
 from .vocab import draft_to_target_ids
 
 LAYOUTS = ("speculators", "eagle3")
@@ -104,7 +105,8 @@ def _build_drafter(cls, config, state: dict, target_path, source: str):
     if t2d is None:
         t2d = torch.zeros(V, dtype=torch.bool)
         t2d[draft_to_target_ids(d2t)] = True
-    model = cls.from_target(target_path, config, d2t, t2d, init_lm_head=False)
+    embed = load_target_tensors(target_path, ("embed",))["embed"]                  # [V, H], frozen
+    model = cls.from_target_weights(config, d2t, t2d, embed)     # lm_head: loaded from `state` below
     dtypes = {v.dtype for k, v in state.items() if v.is_floating_point()}
     if len(dtypes) == 1:
         model = model.to(dtypes.pop())

@@ -14,7 +14,7 @@ import torch
 from drafter_fit import fit_drafter, greedy_sequences
 from eagle3lib.decode import Eagle3Proposer, merge_stats, speculative_generate
 from eagle3lib.export import export_vllm, load_export
-from eagle3lib.target import load_target, load_tokenizer
+from eagle3lib.target import load_target, load_target_tensors, load_tokenizer
 from eagle3lib.vllm_bench import mode, run_vllm
 
 pytestmark = pytest.mark.vllm
@@ -43,7 +43,8 @@ def setup(smollm2_dir, tmp_path_factory):
         cfg = Eagle3Config.from_target_config(target.config, draft_vocab_size=1024,
                                               aux_layer_ids=[2, N // 2, N - 3])
         torch.manual_seed(0)
-        drafter = Eagle3Drafter.from_target(smollm2_dir, cfg, d2t, t2d)
+        w = load_target_tensors(smollm2_dir)
+        drafter = Eagle3Drafter.from_target_weights(cfg, d2t, t2d, w["embed"], w["lm_head"])
         fit_drafter(target, drafter, seqs, steps=60, lr=3e-3)
         export = export_vllm(drafter, tmp_path_factory.mktemp("export") / "drafter", smollm2_dir, k=K)
         # the reference decoder runs the drafter as vLLM will read it: loaded back from the export
