@@ -104,7 +104,8 @@ def _build_drafter(cls, config, state: dict, target_path, source: str):
     if t2d is None:
         t2d = torch.zeros(V, dtype=torch.bool)
         t2d[draft_to_target_ids(d2t)] = True
-    model = cls.from_target_weights(config, d2t, t2d, load_target_tensors(target_path, ("embed",))["embed"])
+    embed = load_target_tensors(target_path, ("embed",))["embed"]                  # [V, H], frozen
+    model = cls.from_target_weights(config, d2t, t2d, embed)     # lm_head: loaded from `state` below
     dtypes = {v.dtype for k, v in state.items() if v.is_floating_point()}
     if len(dtypes) == 1:
         model = model.to(dtypes.pop())

@@ -3,6 +3,8 @@ the output distribution equals the target's (chi-square against the exact distri
 Also: tau bounds, statistics bookkeeping, the drafter's cache handling, the n-gram matcher."""
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
@@ -248,8 +250,11 @@ def test_ngram_matcher():
 # ---------------------------------------------------------------------------------------------
 
 SMALL_V = 6
-TEMPERATURE = 1.0
 N_SAMPLES = 1200
+# (n tokens observed, k drafts, temperature). k=2 with n=3: the bonus token of a fully accepted
+# round is always cut by the token limit. k=1 with n=3: a fully accepted first round emits its
+# bonus token as x_3 (observed), and T=0.6 makes a missing division by T visible.
+CASES = {"k2_T1": (3, 2, 1.0), "k1_T0.6": (3, 1, 0.6)}
 
 
 @pytest.fixture(scope="module")
@@ -266,14 +271,14 @@ def small(tmp_path_factory):
     return load_target(out, "float32"), out
 
 
-def exact_joint(target, prompt, n: int) -> torch.Tensor:
-    """p(x_1..x_n | prompt) at TEMPERATURE for every sequence: [V]*n (float64)."""
+def exact_joint(target, prompt, n: int, temperature: float) -> torch.Tensor:
+    """p(x_1..x_n | prompt) at `temperature` for every sequence: [V]*n (float64)."""
     V = SMALL_V
     seqs = torch.cartesian_prod(*[torch.arange(V)] * n).reshape(-1, n)           # [V^n, n]
     ids = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], dim=1)     # [V^n, P+n]
     with torch.no_grad():
         logits = target(input_ids=ids).logits.double()                            # [V^n, P+n, V]
-    logp = torch.log_softmax(logits / TEMPERATURE, dim=-1)[:, len(prompt) - 1:-1]   # [V^n, n, V]
+    logp = torch.log_softmax(logits / temperature, dim=-1)[:, len(prompt) - 1:-1]   # [V^n, n, V]
     joint = logp.gather(-1, seqs[..., None]).squeeze(-1).sum(-1).exp()            # [V^n]
     return joint.reshape([V] * n)
 
@@ -292,16 +297,19 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))
 
 
-def sample_first_tokens(target, make, prompt, n, k, seed):
+def sample_first_tokens(target, make, prompt, n, k, temperature, seed, samples=N_SAMPLES):
+    """Counts [V]*n of the first n tokens over `samples` runs, and the verification outcomes:
+    accepted / rejected drafts, and bonus tokens emitted after a fully accepted round."""
     gen = torch.Generator().manual_seed(seed)
     counts = torch.zeros([SMALL_V] * n)
-    accepted = rejected = 0
-    for _ in range(N_SAMPLES):
-        out, stats = speculative_generate(target, make(), prompt, n, k, temperature=TEMPERATURE, generator=gen)
+    accepted = rejected = bonus = 0
+    for _ in range(samples):
+        out, stats = speculative_generate(target, make(), prompt, n, k, temperature=temperature, generator=gen)
         counts[tuple(out)] += 1
         accepted += stats.num_accepted
         rejected += stats.num_draft_tokens - stats.num_accepted
-    return counts, accepted, rejected
+        bonus += sum(1 for r in stats.rounds if 0 < r.drafted == r.accepted and r.emitted == r.accepted + 1)
+    return counts, accepted, rejected, bonus
 
 
 @pytest.fixture(scope="module")
@@ -313,20 +321,90 @@ def small_drafter(small):
     return d
 
 
+PROMPT = [3, 3, 3, 3]                    # lookup proposes 3s; p(3 | ...) is about 0.5
+
+
+def proposer_factory(kind, small_drafter):
+    return (lambda: NgramProposer(1, 3)) if kind == "ngram" else (lambda: Eagle3Proposer(small_drafter))
+
+
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("kind", ["ngram", "eagle3"])
-def test_sampling_distribution_matches_target(small, small_drafter, kind):
+def test_sampling_distribution_matches_target(small, small_drafter, kind, case):
+    """x_1 comes from the prefill, x_2 and x_3 from verification (k2_T1: two drafts, the bonus
+    never observed; k1_T0.6: one draft, the bonus observed as x_3, at a temperature != 1).
+    Planted faults shown caught: see test_chi_square_rejects_mutated_samplers."""
     target, _ = small
-    prompt = [3, 3, 3, 3]                    # lookup proposes 3s; p(3 | ...) is about 0.5
-    make = (lambda: NgramProposer(1, 3)) if kind == "ngram" else (lambda: Eagle3Proposer(small_drafter))
-    n = 3                                    # x_1 from the prefill, x_2 and x_3 from verification
-    counts, accepted, rejected = sample_first_tokens(target, make, prompt, n, k=2, seed=11)
+    n, k, T = CASES[case]
+    counts, accepted, rejected, bonus = sample_first_tokens(target, proposer_factory(kind, small_drafter),
+                                                            PROMPT, n, k, T, seed=11)
     assert accepted > 100 and rejected > 100, (accepted, rejected)
-    p = exact_joint(target, prompt, n)
+    if k == 1:
+        assert bonus > 100, f"only {bonus} bonus tokens observed"
+    p = exact_joint(target, PROMPT, n, T)
     pval = chi_square_pvalue(counts, p)
-    assert pval > 1e-3, f"{kind}: joint of the first {n} tokens deviates from the target (p={pval:.2e})"
+    assert pval > 1e-3, f"{kind} {case}: joint of the first {n} tokens deviates from the target (p={pval:.2e})"
     # the second token alone (decided by the first verification round)
     pval2 = chi_square_pvalue(counts.sum(dim=(0, 2)), p.sum(dim=(0, 2)))
-    assert pval2 > 1e-3, f"{kind}: second-token distribution deviates (p={pval2:.2e})"
+    assert pval2 > 1e-3, f"{kind} {case}: second-token distribution deviates (p={pval2:.2e})"
+
+
+def mutated_verify_sampled(mutation: Optional[str]):
+    """decode.verify_sampled with one planted fault (None: a faithful copy).
+
+    resample_from_p: after a rejection sample from p_i instead of norm(max(0, p_i - q_i));
+    bonus_from_previous_row: the bonus after full acceptance from p_{m-1} instead of p_m;
+    no_temperature: p = softmax(logits) without the division by T."""
+    def verify(logits, drafts, q, temperature, generator):
+        p = torch.softmax(logits.float().cpu() / (1.0 if mutation == "no_temperature" else temperature), dim=-1)
+        for i, d in enumerate(drafts):
+            q_d = float(q[i, d]) if q is not None else 1.0
+            u = float(torch.rand((), generator=generator))
+            if u < min(1.0, float(p[i, d]) / q_d):
+                continue
+            if mutation == "resample_from_p":
+                residual = p[i].clone()
+            elif q is not None:
+                residual = (p[i] - q[i]).clamp_min(0.0)
+            else:
+                residual = p[i].clone()
+                residual[d] = 0.0
+            if float(residual.sum()) <= 0.0:
+                residual = p[i]
+            return i, decode._sample(residual / residual.sum(), generator)
+        m = len(drafts)
+        row = m - 1 if mutation == "bonus_from_previous_row" and m > 0 else m
+        return m, decode._sample(p[row], generator)
+    return verify
+
+
+def test_mutated_sampler_copy_is_faithful(small, small_drafter, monkeypatch):
+    """Without a mutation the copy draws exactly the real verifier's samples (same seed), so the
+    mutants below differ from the real code by their mutation only."""
+    target, _ = small
+    n, k, T = CASES["k1_T0.6"]
+    make = proposer_factory("eagle3", small_drafter)
+    real = sample_first_tokens(target, make, PROMPT, n, k, T, seed=5, samples=100)
+    monkeypatch.setattr(decode, "verify_sampled", mutated_verify_sampled(None))
+    copy = sample_first_tokens(target, make, PROMPT, n, k, T, seed=5, samples=100)
+    assert torch.equal(real[0], copy[0]) and real[1:] == copy[1:]
+
+
+@pytest.mark.parametrize("mutation", ["resample_from_p", "bonus_from_previous_row", "no_temperature"])
+def test_chi_square_rejects_mutated_samplers(small, small_drafter, monkeypatch, mutation):
+    """The eagle3 k1_T0.6 case of test_sampling_distribution_matches_target (half the samples),
+    on a verifier with one planted fault: the chi-square test must reject it, p < 1e-4, ten times
+    below the 1e-3 the real verifier must pass. Measured with 1200 samples, seed 11: real p=0.20;
+    resample_from_p 3e-19, bonus_from_previous_row 0, no_temperature 3e-173; the k2_T1 case
+    passes bonus_from_previous_row with the real code's p (0.89: the bonus is never observed)
+    and cannot see no_temperature (T=1)."""
+    target, _ = small
+    n, k, T = CASES["k1_T0.6"]
+    monkeypatch.setattr(decode, "verify_sampled", mutated_verify_sampled(mutation))
+    counts, *_ = sample_first_tokens(target, proposer_factory("eagle3", small_drafter), PROMPT, n, k, T,
+                                     seed=11, samples=N_SAMPLES // 2)
+    pval = chi_square_pvalue(counts, exact_joint(target, PROMPT, n, T))
+    assert pval < 1e-4, f"{mutation}: the chi-square test did not reject the mutated sampler (p={pval:.2e})"
 
 
 def test_chi_square_detects_a_wrong_sampler(small, small_drafter, monkeypatch):
@@ -335,6 +413,5 @@ def test_chi_square_detects_a_wrong_sampler(small, small_drafter, monkeypatch):
     monkeypatch.setattr(decode, "verify_sampled",
                         lambda logits, drafts, q, T, g: (len(drafts), decode._sample(
                             torch.softmax(logits[len(drafts)].float() / T, -1), g)))
-    prompt = [3, 3, 3, 3]
-    counts, _, _ = sample_first_tokens(target, lambda: Eagle3Proposer(small_drafter), prompt, 3, k=2, seed=11)
-    assert chi_square_pvalue(counts, exact_joint(target, prompt, 3)) < 1e-6
+    counts, *_ = sample_first_tokens(target, lambda: Eagle3Proposer(small_drafter), PROMPT, 3, 2, 1.0, seed=11)
+    assert chi_square_pvalue(counts, exact_joint(target, PROMPT, 3, 1.0)) < 1e-6

@@ -8,12 +8,13 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file
 
 from eagle3lib.export import (LAYOUTS, VllmExportError, config_from_export, export_layout, export_vllm,
                               load_drafter, load_export, vllm_incompatibilities)
 from eagle3lib.model import Eagle3Config, Eagle3Drafter
 from eagle3lib.target import load_target_tensors
+from eagle3lib.train import save_final
 
 CHOICES = [dict(norm_before_residual=True),
            dict(norm_before_residual=False, norm_before_fc=True),
@@ -127,13 +128,13 @@ def test_full_vocab_export_leaves_out_d2t(tiny_target_dir, tmp_path):
 
 
 def test_export_from_trainer_folder(tiny_target_dir, tmp_path):
-    """The trainer's final/ format: config.json = asdict(Eagle3Config), weights without embed_tokens."""
+    """The trainer's final/ folder, written by the trainer's own writer (train.save_final), loads
+    back bit-exactly and exports. Planted fault shown caught: save_final keeping embed_tokens in
+    model.safetensors fails the embed_tokens assertion."""
     model = make_drafter(tiny_target_dir, 300, norm_before_residual=False)
     final = tmp_path / "train" / "final"
-    final.mkdir(parents=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "embed_tokens.weight"}
-    save_file(state, str(final / "model.safetensors"))
-    (final / "config.json").write_text(json.dumps(dataclasses.asdict(model.config)))
+    save_final(final, model.state_dict(), model.config, {"steps": 1})
+    assert "embed_tokens.weight" not in load_file(str(final / "model.safetensors"))
     assert_same_drafter(model, load_drafter(final, tiny_target_dir))
     out = export_vllm(final, tmp_path / "export", tiny_target_dir)
     assert_same_drafter(model, load_export(out, tiny_target_dir))
