@@ -212,11 +212,12 @@ class LiveBytes(TorchDispatchMode):
                 storage = t.untyped_storage()
                 self.live[storage_key(t)] = (StorageWeakRef(storage), storage.nbytes())
                 self.now += storage.nbytes()
-        self.peak = max(self.peak, self.now)
-        for key, (ref, nbytes) in list(self.live.items()):
-            if ref.expired():
-                del self.live[key]
-                self.now -= nbytes
+        if self.now > self.peak:      # a new peak only counts once freed storages are taken off
+            for key, (ref, nbytes) in list(self.live.items()):
+                if ref.expired():
+                    del self.live[key]
+                    self.now -= nbytes
+            self.peak = max(self.peak, self.now)
         return out
 
 
