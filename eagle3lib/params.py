@@ -140,6 +140,9 @@ class TrainParams:
     tracking: str = "none"               # none | tensorboard
     distributed: str = "none"            # none | ddp | fsdp
     nproc: int = 1
+    # Memory of one training GPU in GB (1e9 bytes); None: no check. When set, a profile whose
+    # step would not fit with 20% headroom (memory.check_fits, the memory model) is refused.
+    gpu_memory_gb: Optional[float] = None
     # Divergence guard (train.DivergenceGuard): stop with an error after diverge_steps consecutive
     # steps whose soft CE is log(draft vocab) within diverge_uniform_rtol on every TTT step (uniform
     # output), or whose loss is above diverge_loss_rise x its running minimum, or whose gradient norm
@@ -413,6 +416,7 @@ def validate(p: Params) -> Params:
     need(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
     need(t.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
     need(t.nproc >= 1, "train.nproc", "must be >= 1")
+    need(t.gpu_memory_gb is None or t.gpu_memory_gb > 0, "train.gpu_memory_gb", "must be > 0 (or null: no check)")
     need(t.eval_sequences >= 1, "train.eval_sequences", "must be >= 1")
     need(t.diverge_steps >= 0, "train.diverge_steps", "must be >= 0 (0: no divergence guard)")
     need(0 < t.diverge_uniform_rtol < 1, "train.diverge_uniform_rtol", "must be in (0, 1)")

@@ -107,9 +107,26 @@ def tokens_per_conversation(p: Params, stats: Optional[DataStats] = None) -> flo
     return (n_regen * regenerated + (n_conv - n_regen) * original) / n_conv
 
 
-def capacity_plan(p: Params, stats: Optional[DataStats] = None) -> dict:
+def memory_plan(p: Params) -> dict:
+    """Per-GPU training memory (eagle3lib/memory.py) at data.max_length and at 2,048 / 4,096-token
+    sequences (each at most train.batch_tokens): {seq_len: MemoryEstimate.as_dict()
+    plus "fits" (None without train.gpu_memory_gb) and "problem"}."""
+    from . import memory   # imports torch and runs the drafter on the meta device: `import plan` stays light
+    out = {}
+    for seq in sorted({p.data.max_length, 2048, 4096}):
+        if seq > p.train.batch_tokens:
+            continue
+        est = memory.estimate(p, seq)
+        problem = memory.fit_problem(p, est)
+        out[seq] = {**est.as_dict(), "fits": None if p.train.gpu_memory_gb is None else problem is None,
+                    "problem": problem}
+    return out
+
+
+def capacity_plan(p: Params, stats: Optional[DataStats] = None, memory: bool = True) -> dict:
     """The plan as a flat dict of named quantities (bytes, tokens, seconds); `stats`: the run's
-    measured data stats (measured_stats), used when they match the profile's data params."""
+    measured data stats (measured_stats), used when they match the profile's data params.
+    memory: add "memory" (memory_plan: seconds of meta-device work, and a torch import)."""
     shape = target_shape(p)
     n_conv = train_conversations(p)
     tok_per_conv = tokens_per_conversation(p, stats)
@@ -133,7 +150,7 @@ def capacity_plan(p: Params, stats: Optional[DataStats] = None) -> dict:
         regen_tps = flops * MFU_REGEN / (2 * shape.active_params)
         basis = f"{shape.num_gpus} GPUs x {GPU_BF16_FLOPS / 1e15:.2f} PFLOP/s bf16 at the stated MFU"
     epochs = p.train.epochs
-    return {
+    plan = {
         "target": shape.name,
         "layers": shape.num_hidden_layers,
         "hidden_size": shape.hidden_size,
@@ -153,7 +170,11 @@ def capacity_plan(p: Params, stats: Optional[DataStats] = None) -> dict:
         "train_tokens_per_s": train_tps,
         "train_hours": tokens * epochs / train_tps / 3600,
         "throughput_basis": basis,
+        "gpu_memory_gb": p.train.gpu_memory_gb,
     }
+    if memory:
+        plan["memory"] = memory_plan(p)
+    return plan
 
 
 def human_bytes(n: float) -> str:
@@ -180,6 +201,23 @@ def format_plan(plan: dict) -> str:
         ("training", f"{plan['train_tokens_per_s']:,.0f} tok/s, {plan['train_hours']:.2f} h"),
         ("throughput basis", plan["throughput_basis"]),
     ]
+    rows += memory_rows(plan)
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def memory_rows(plan: dict) -> list:
+    """(label, text) rows of the per-GPU memory: each item with its basis, the peak, the verdict."""
+    rows = []
+    budget = plan.get("gpu_memory_gb")
+    for seq, m in plan.get("memory", {}).items():
+        label = f"memory @ {m['sequences']} x {seq}"
+        rows.append((label, f"peak {human_bytes(m['peak_bytes'])} per GPU ({m['ranks']} ranks, {m['device']} kernels)"
+                     + ("" if budget is None else f", {m['peak_bytes'] / (budget * 1e9):.0%} of {budget:g} GB")))
+        for item in m["items"]:
+            rows.append((f"  {item['name']}", f"{human_bytes(item['bytes'])}  [{item['basis']}]"))
+        rows.append(("  step peak", f"{human_bytes(m['step_peak'])}  [measured (meta)]"))
+        if m["problem"]:
+            rows.append(("  DOES NOT FIT", m["problem"]))
+    return rows
 
