@@ -115,7 +115,7 @@ def record_run(p: Params, layout: RunLayout, params_file: str) -> None:
 def expected_seconds(p: Params, layout: RunLayout) -> dict:
     """{stage: (seconds, basis)}: this run folder's last wall time of the stage, else the capacity
     plan's hours for regeneration (data), extraction and training; stages with neither are absent."""
-    plan = capacity_plan(p, measured_stats(layout))
+    plan = capacity_plan(p, measured_stats(layout), memory=False)   # hours only: no meta-device run
     out = {stage: (plan[key] * 3600, f"capacity plan, throughput {plan['throughput_basis']}")
            for stage, key in (("data", "regen_hours"), ("extract", "extract_hours"), ("train", "train_hours"))}
     if p.train.time_budget_minutes is not None:

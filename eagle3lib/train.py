@@ -57,6 +57,7 @@ from .cache import MANIFEST, HiddenCache, check_cache
 from .dist import Dist
 from .files import atomic_dir, atomic_write_json, read_json, remove_tree, run_lock
 from .layout import RunLayout
+from .memory import check_fits
 from .model import Eagle3Config, Eagle3Drafter
 from .objective import Scoring, TTTObjective, add_feature_noise, build_scoring, evaluate, prepare_batch
 from .params import Params, TrainParams, load_params
@@ -609,7 +610,9 @@ def train(P: Params, run_dir, progress: bool = True, callback: Optional[Callable
     callback(record) is called on rank 0 after every optimizer step with the step's record
     (step, lr, loss, grad norm, per-step loss/acc, tokens/s, and `eval` when an eval ran at that
     step). Raises FloatingPointError on a non-finite loss and TrainingDiverged when the
-    divergence guard trips (DivergenceGuard)."""
+    divergence guard trips (DivergenceGuard); ParamsError before any work when the profile states
+    train.gpu_memory_gb and the memory model says a step does not fit (memory.check_fits)."""
+    check_fits(P)
     dist = Dist()
     try:
         if dist.world > 1 and P.train.distributed == "none":
