@@ -6,7 +6,7 @@
 outputs/<run>/
     data/            train/ eval/ (datasets.save_to_disk), eval_prompts.jsonl, vocab.safetensors,
                      stats.json (written last: the data stage's "done" marker), regen/<key>/chunk-*.jsonl
-    hidden/<split>/  shard-*.bin + manifest.json (cache.py)
+    hidden/<split>/  shard-*.safetensors + manifest.json (cache.py)
     train/           checkpoints/step-*/, final/ (config.json + model.safetensors), summary.json,
                      history.json, tensorboard/
     export/          the vLLM export of final/
