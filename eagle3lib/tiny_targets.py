@@ -18,6 +18,13 @@ The wrapped variant stores `modeling_mini_kimi.py` (a copy of mini_kimi_modeling
 `auto_map` in config.json, so it loads offline with trust_remote_code=True like Kimi's own code.
 Both variants hold the same weights: the wrapper's `language_model.*` tensors equal the plain
 model's tensors, so the two must give the same hidden-state cache.
+
+No INT4 variant (Kimi-K2.5 ships its routed experts pack-quantized, int4 group 32): transformers 5.19
+holds DeepSeek-V3's routed experts as fused 3-D parameters (DeepseekV3Experts.gate_up_proj
+[E, 2I, H], down_proj), not nn.Linear modules, so compressed-tensors 0.17 cannot target them
+("Could not match ... experts.N.gate_proj"); pack-quantizing the other Linear layers writes a
+checkpoint whose experts transformers cannot reload (experts.gate_up_proj MISSING). Writing the
+per-expert weight_packed / weight_scale / weight_shape tensors by hand is the way left open.
 """
 from __future__ import annotations
 
