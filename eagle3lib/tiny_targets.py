@@ -39,6 +39,10 @@ from .files import atomic_dir, remove_tree
 from .mini_kimi_modeling import MiniKimiConfig, MiniKimiForConditionalGeneration
 
 SEED = 0
+# The lm_head is drawn LM_HEAD_SCALE x wider than the default init (std 0.02): logits with std ~5
+# instead of ~0.3, so most greedy decisions lead by > 0.5 logits, as a trained LM's do (the
+# extraction notebook's fidelity check and the lossless-decoding check need decisive tokens).
+LM_HEAD_SCALE = 16.0
 DONE_MARKER = "eagle3lab_tiny_target.json"
 REMOTE_CODE_FILE = "modeling_mini_kimi.py"
 # config.json keys vLLM's DeepSeek-V3 reads and DeepseekV3Config drops on save (values of Kimi-K2.5).
@@ -69,7 +73,8 @@ def mini_kimi_config(vocab_size: int, bos_token_id: int, eos_token_id: int, pad_
 
 def mini_kimi_lm(tokenizer) -> DeepseekV3ForCausalLM:
     """The random causal LM (seed SEED, fp32, eval mode). The router's score-correction bias is
-    random too (zeros at init), so noaux_tc's biased expert choice is exercised."""
+    random too (zeros at init), so noaux_tc's biased expert choice is exercised; the lm_head is
+    scaled by LM_HEAD_SCALE."""
     vocab = len(tokenizer)
     if vocab != MINI_KIMI_SHAPE["vocab_size"]:
         raise ValueError(f"the mini-kimi tokenizer has {vocab} tokens, the miniature is sized for "
@@ -78,6 +83,7 @@ def mini_kimi_lm(tokenizer) -> DeepseekV3ForCausalLM:
     torch.manual_seed(SEED)
     model = DeepseekV3ForCausalLM(cfg).to(torch.float32)
     with torch.no_grad():
+        model.lm_head.weight.mul_(LM_HEAD_SCALE)
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(0.05 * torch.randn(buf.shape))
