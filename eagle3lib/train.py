@@ -57,7 +57,7 @@ from .cache import MANIFEST, HiddenCache, check_cache
 from .dist import Dist
 from .files import atomic_dir, atomic_write_json, read_json, remove_tree, run_lock
 from .layout import RunLayout
-from .model import Eagle3Config, Eagle3Drafter
+from .model import Eagle3Config, Eagle3Drafter, resolve_attention
 from .objective import Scoring, TTTObjective, add_feature_noise, build_scoring, evaluate, prepare_batch
 from .params import Params, TrainParams, load_params
 from .progress import tqdm
@@ -433,6 +433,8 @@ def setup(P: Params, layout: RunLayout, dist: Dist, device: torch.device) -> Tra
     # noise is in units of s: the batch already holds aux / s when fc_input_scaling is on
     noise_scale = aux_scale(cache) if t.feature_noise > 0 and not t.fc_input_scaling else None
     drafter = build_drafter(P, target_path(P), cache.hidden_size, cache.aux_layers, d2t, t2d, scale).to(device)
+    drafter.attention_impl = resolve_attention(t.attention, device)     # same function, per-device cost
+    drafter.activation_checkpointing = t.activation_checkpointing
     scoring = build_scoring(P, layout, drafter, device, scale=scale, compile=t.compile)
     model = wrap_model(scoring.objective, t.distributed, dist)
     optimizers = make_optimizers_for(model, t)
@@ -616,6 +618,10 @@ def train(P: Params, run_dir, progress: bool = True, callback: Optional[Callable
             raise RuntimeError("launched under torchrun with several processes but train.distributed is none; "
                                "set train.distributed to ddp or fsdp")
         run = setup(P, RunLayout(run_dir), dist, dist.device("auto"))
+        if progress and dist.rank == 0:
+            d = run.scoring.objective.drafter
+            print(f"TTT attention: {d.attention_impl} (train.attention: {P.train.attention}, device "
+                  f"{run.device.type}) | activation checkpointing: {d.activation_checkpointing}")
         if progress and dist.rank == 0 and run.step:
             print(f"resumed from {latest_checkpoint(run.layout.checkpoints)} (step {run.step}/{run.total_steps})")
         return finish(run, *loop(run, progress, callback))
