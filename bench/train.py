@@ -11,8 +11,10 @@ Each variant runs in its own process (so peak RSS is its own):
     python bench/train.py --variants fp32-manual bf16-manual --steps 6
     python bench/train.py --threads 2           # torch intra-op threads
 
-Variant names: <dtype>-<attention>[-compile], dtype fp32 | bf16 (autocast), attention mask |
-merge | manual (see model.ttt_attention). Results go to stdout and outputs/bench/train.json.
+Variant names: <dtype>-<attention>[-ckpt][-compile], dtype fp32 | bf16 (autocast), attention mask |
+merge | manual | chunked | flex (see model.ttt_attention; flex has no backward on CPU, so it runs on
+GPUs only), ckpt: activation checkpointing per TTT step. Results go to stdout and
+outputs/bench/train.json.
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ from eagle3lib.objective import TargetHead, TTTObjective, autocast_for, prepare_
 from eagle3lib.params import TrainParams  # noqa: E402
 from eagle3lib.train import make_optimizers_for, optimizer_step  # noqa: E402
 
-DEFAULT_VARIANTS = ["fp32-mask", "fp32-merge", "fp32-manual", "bf16-mask", "bf16-merge", "bf16-manual",
+DEFAULT_VARIANTS = ["fp32-mask", "fp32-merge", "fp32-manual", "fp32-chunked", "fp32-manual-ckpt",
+                    "bf16-mask", "bf16-merge", "bf16-manual", "bf16-chunked",
                     "fp32-manual-compile", "bf16-manual-compile"]
 
 
@@ -54,6 +57,7 @@ def one_variant(name: str, steps: int, warmup: int, seq: int, batch_tokens: int,
     t2d[ids] = True
     drafter.set_vocab(ids - torch.arange(Dv), t2d)
     drafter.attention_impl = impl
+    drafter.activation_checkpointing = "ckpt" in parts
     head = TargetHead(torch.randn(V, H) * 0.05, drafter.d2t)
     objective = TTTObjective(drafter, ttt_steps, 0.8, compile=compiled)   # as train.compile does
     t = TrainParams(ttt_steps=ttt_steps, batch_tokens=batch_tokens, dtype="bfloat16" if dtype == "bf16" else "float32")

@@ -23,7 +23,7 @@ How the meta run stands in for the GPU (meta has no autocast and runs every atte
 math path, which materialises T x T scores in fp32):
 - compute dtype: parameters are cast to train.dtype, as FSDP2's MixedPrecisionPolicy(param_dtype)
   does; no autocast. RMSNorm still computes in fp32, the loss's softmax too.
-- F.scaled_dot_product_attention is routed (torch.overrides.TorchFunctionMode) to the kernel the
+- F.scaled_dot_product_attention is routed (patched for the run) to the kernel the
   training device would pick: on CUDA flash attention (bf16/fp16, no mask) or memory-efficient
   attention (a mask, or fp32); on CPU the CPU flash kernel. Those kernels save q, k, v, out and a
   logsumexp [B, h, T], never the scores.
@@ -44,10 +44,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from . import model as model_lib
 from .model import Eagle3Config, Eagle3Drafter
 from .objective import TTTObjective
 from .params import Params, ParamsError, load_params
@@ -127,17 +127,6 @@ def drafter_config(P: Params) -> Eagle3Config:
         norm_before_fc=t.norm_before_fc, next_step_hidden=t.next_step_hidden)
 
 
-def select_formulation(drafter: Eagle3Drafter, P: Params) -> None:
-    """The training choices that change what is saved for backward, as the trainer applies them.
-    Keep in step with train.build_drafter (train.attention and train.activation_checkpointing are
-    read when the profile schema has them)."""
-    attention = getattr(P.train, "attention", None)
-    if attention is not None:
-        drafter.attention_impl = attention
-    if getattr(P.train, "activation_checkpointing", False):
-        drafter.activation_checkpointing = True
-
-
 def meta_objective(P: Params, dtype: torch.dtype) -> TTTObjective:
     """The profile's drafter + TTT loss on the meta device, parameters in the compute dtype (what
     FSDP2's MixedPrecisionPolicy(param_dtype) gathers); buffers keep their dtypes."""
@@ -147,7 +136,8 @@ def meta_objective(P: Params, dtype: torch.dtype) -> TTTObjective:
         p.data = p.data.to(dtype)
     if P.train.freeze_lm_head:
         drafter.lm_head.weight.requires_grad_(False)
-    select_formulation(drafter, P)
+    # what the trainer selects for that device: train.attention, train.activation_checkpointing
+    drafter.configure_training(P.train.attention, P.train.activation_checkpointing, training_device(P))
     return TTTObjective(drafter, P.train.ttt_steps, P.train.decay)
 
 
@@ -221,20 +211,24 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-class DeviceAttention(TorchFunctionMode):
+class DeviceAttention:
     """Route F.scaled_dot_product_attention to the fused kernel `device` would run, so the meta
     device saves what that kernel saves (q, k, v, out, logsumexp), not the math path's scores.
-    device "math": no routing (the meta device's own math path, which keeps fp32 scores)."""
+    device "math": no routing (the meta device's own math path, which keeps fp32 scores).
+    A patch of the function itself, not a TorchFunctionMode: modes are per thread, and activation
+    checkpointing recomputes the step inside backward, where a mode would no longer route it."""
 
     def __init__(self, device: str):
-        super().__init__()
         self.device = device
+        self.real = F.scaled_dot_product_attention
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention or self.device == "math":
-            return func(*args, **kwargs)
-        return self.attention(*args, **kwargs)
+    def __enter__(self):
+        if self.device != "math":
+            F.scaled_dot_product_attention = self.attention
+        return self
+
+    def __exit__(self, *exc):
+        F.scaled_dot_product_attention = self.real
 
     def attention(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if enable_gqa and k.shape[1] != q.shape[1]:
@@ -252,6 +246,26 @@ class DeviceAttention(TorchFunctionMode):
         bias = None if attn_mask is None else attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         return aten._scaled_dot_product_efficient_attention(
             q, k, v, bias, True, dropout_p, is_causal, scale=scale)[0]
+
+
+@contextlib.contextmanager
+def flex_as_fused_kernel():
+    """flex_attention refuses the meta device. During the meta run the causal part of the "flex"
+    TTT attention (model._flex_causal) is served by the fused memory-efficient kernel, which saves
+    what compiled flex saves (q, k, v, out, logsumexp; no T x T scores) and returns the same shapes."""
+    real = model_lib._flex_causal
+
+    def fused(q, k0, v0, mask_cache):
+        if q.device.type != "meta":
+            return real(q, k0, v0, mask_cache)
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k0, v0, None, True, 0.0, True)[:2]
+        return out, lse[..., :q.shape[2]].unsqueeze(-1).float()                # [B, h, T, d], [B, h, T, 1]
+
+    model_lib._flex_causal = fused
+    try:
+        yield
+    finally:
+        model_lib._flex_causal = real
 
 
 @contextlib.contextmanager
@@ -294,7 +308,7 @@ def run_step(objective: TTTObjective, batch: dict, device: str) -> tuple[dict, i
     denominators = torch.ones(objective.ttt_steps, dtype=torch.float64, device=batch["aux"].device)
     live = LiveBytes()
     try:
-        with meta_has_no_autocast(), DeviceAttention(device), live, saved.hooks():
+        with meta_has_no_autocast(), flex_as_fused_kernel(), DeviceAttention(device), live, saved.hooks():
             loss, _ = objective(batch, denominators)
             loss.backward()
     finally:

@@ -30,10 +30,15 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+from torch.utils.checkpoint import checkpoint
 
 from .vocab import draft_to_target_ids
 
-ATTENTION_IMPLS = ("mask", "merge", "manual")
+# TTT attention formulations (see ttt_attention); all compute the same function.
+ATTENTION_IMPLS = ("mask", "merge", "manual", "chunked", "flex")
+ATTENTION_CHOICES = ("auto",) + ATTENTION_IMPLS     # train.attention
+QUERY_BLOCK = 512                                   # queries per block of the "chunked" formulation
 
 
 @dataclass
@@ -249,13 +254,102 @@ class Eagle3DecoderLayer(nn.Module):
 
 
 # ---- attention over the TTT layout --------------------------------------------------------
-def ttt_attention(q, k0, v0, kd, vd, impl: str = "manual", mask_cache: Optional[dict] = None):
+def resolve_attention(choice: str, device) -> str:
+    """train.attention -> the formulation used on `device`. "auto": "manual" on CPU (the fastest
+    measured on the 2-core machine at the local profile's shapes, bench/train.py, NOTES.md);
+    "flex" elsewhere, chosen by memory (never materialises T x T scores), not by a measurement."""
+    if choice not in ATTENTION_CHOICES:
+        raise ValueError(f"attention {choice!r}: expected one of {ATTENTION_CHOICES}")
+    if choice != "auto":
+        return choice
+    return "manual" if torch.device(device).type == "cpu" else "flex"
+
+
+def _manual_block(q, k0, v0, kd_s, vd_s, offset: int, scale: float):
+    """One explicit softmax over [causal step-0 scores | j diagonal scores] for queries at
+    positions offset..offset+C-1. q [B, h, C, d]; k0, v0 [B, h, S, d] with S = offset + C (the keys
+    those queries can see); kd_s, vd_s [B, h, C, j, d]. Returns [B, h, C, d]."""
+    C, S = q.shape[2], k0.shape[2]
+    blocked = torch.ones(C, S, dtype=torch.bool, device=q.device).triu(offset + 1)    # key > query
+    s_c = (q @ k0.transpose(-1, -2) * scale).masked_fill(blocked, float("-inf"))      # [B, h, C, S]
+    s_diag = (q.unsqueeze(3) * kd_s).sum(-1) * scale                                   # [B, h, C, j]
+    p = torch.softmax(torch.cat([s_c, s_diag], dim=-1).float(), dim=-1).to(q.dtype)   # [B, h, C, S+j]
+    return p[..., :S] @ v0 + (p[..., S:].unsqueeze(-1) * vd_s).sum(3)
+
+
+def _chunked(q, k0, v0, kd_s, vd_s, scale: float, block: int):
+    """_manual_block over query blocks of `block` rows; with grad enabled each block runs under
+    torch.utils.checkpoint, so its [B, h, block, <=T] scores are freed after the forward and
+    recomputed in the backward (only views of q/k0/v0/kd/vd are kept)."""
+    T = q.shape[2]
+    outs = []
+    for start in range(0, T, block):
+        end = min(T, start + block)
+        args = (q[:, :, start:end], k0[:, :, :end], v0[:, :, :end], kd_s[:, :, start:end], vd_s[:, :, start:end],
+                start, scale)
+        if torch.is_grad_enabled():
+            outs.append(checkpoint(_manual_block, *args, use_reentrant=False))
+        else:
+            outs.append(_manual_block(*args))
+    return torch.cat(outs, dim=2)
+
+
+def _merge_diagonal(o_c, lse_c, q, kd_s, vd_s, scale: float):
+    """Merge the causal step-0 attention (output o_c [B, h, T, d], log-sum-exp of its scores
+    lse_c [B, h, T, 1] fp32) with the j diagonal terms (kd_s, vd_s [B, h, T, j, d]) by log-sum-exp."""
+    s_diag = (q.unsqueeze(3) * kd_s).sum(-1) * scale                                  # [B, h, T, j]
+    lse_all = torch.logsumexp(torch.cat([lse_c, s_diag.float()], dim=-1), dim=-1, keepdim=True)
+    w_c = torch.exp(lse_c - lse_all).to(q.dtype)                                      # [B, h, T, 1]
+    w_d = torch.exp(s_diag.float() - lse_all).to(q.dtype)                             # [B, h, T, j]
+    return w_c * o_c + (w_d.unsqueeze(-1) * vd_s).sum(3)
+
+
+_compiled_flex = None
+
+
+def _flex_causal(q, k0, v0, mask_cache: Optional[dict]):
+    """Causal attention of q over k0/v0 [B, h, T, d] with flex_attention -> (o_c [B, h, T, d],
+    lse_c [B, h, T, 1] fp32). On CUDA the compiled kernel (no T x T scores); on CPU the eager call,
+    which is PyTorch's reference and does materialise the scores (and has no backward on CPU)."""
+    global _compiled_flex
+    T = q.shape[2]
+    key = ("flex", T, q.device)
+    block_mask = None if mask_cache is None else mask_cache.get(key)
+    if block_mask is None:
+        block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, None, None, T, T,
+                                       device=q.device)
+        if mask_cache is not None:
+            mask_cache[key] = block_mask
+    attend = flex_attention
+    if q.device.type != "cpu" and not torch.compiler.is_compiling():   # inside torch.compile: traced anyway
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention)
+        attend = _compiled_flex
+    o_c, aux = attend(q, k0, v0, block_mask=block_mask, return_aux=AuxRequest(lse=True))
+    return o_c, aux.lse.unsqueeze(-1).float()
+
+
+def ttt_attention(q, k0, v0, kd, vd, impl: str = "manual", mask_cache: Optional[dict] = None,
+                  block: int = QUERY_BLOCK):
     """Attention of one TTT step j >= 0.
 
     q [B, h, T, d]: queries of step j at positions 0..T-1.
     k0, v0 [B, h, T, d]: step-0 keys/values (each query t sees positions <= t).
     kd, vd: lists of j tensors [B, h, T, d], keys/values of steps 1..j (query t sees only t's).
-    Returns [B, h, T, d]. All implementations compute the same function.
+    Returns [B, h, T, d]. All formulations compute the same function; what they cost (per step,
+    beyond the q/k/v every one keeps; j diagonal terms cost O(T j d) in all of them):
+      manual   one softmax over [T x T causal scores | T x j diagonal]: the fp32 scores and
+               probabilities [B, h, T, T] are saved for backward (fastest on the 2-core CPU).
+      merge    sdpa for the causal output, its log-sum-exp recomputed from explicit T x T scores,
+               merged with the diagonal terms: saves T x T scores too.
+      mask     sdpa over all (j+1)T keys with a boolean [T, (j+1)T] mask: sdpa's math path on CPU
+               materialises [B, h, T, (j+1)T]; the keys are concatenated (a copy per step).
+      chunked  manual over query blocks of `block` rows, each under activation checkpointing:
+               saves no scores; peak [B, h, block, T] per block; costs a recompute of the block's
+               scores in backward (about +1 attention forward) and skips key blocks above the diagonal.
+      flex     flex_attention (compiled on CUDA) for the causal part with its log-sum-exp, merged
+               with the diagonal terms: saves only o_c and lse_c [B, h, T] (flash-style kernel, no
+               T x T anywhere on CUDA); on CPU it runs PyTorch's materialising reference, no backward.
     """
     B, h, T, d = q.shape
     scale = 1.0 / math.sqrt(d)
@@ -280,22 +374,20 @@ def ttt_attention(q, k0, v0, kd, vd, impl: str = "manual", mask_cache: Optional[
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     kd_s = torch.stack(kd, dim=3)                                  # [B, h, T, j, d]
     vd_s = torch.stack(vd, dim=3)                                  # [B, h, T, j, d]
-    s_diag = (q.unsqueeze(3) * kd_s).sum(-1) * scale               # [B, h, T, j]
-    causal_blocked = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
     if impl == "merge":
         # step-0 part with the fused causal kernel, merged with the diagonal terms via its logsumexp
         o_c = F.scaled_dot_product_attention(q, k0, v0, is_causal=True)                # [B, h, T, d]
+        causal_blocked = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
         s_c = (q @ k0.transpose(-1, -2) * scale).masked_fill(causal_blocked, float("-inf"))
         lse_c = torch.logsumexp(s_c.float(), dim=-1, keepdim=True)                      # [B, h, T, 1]
-        lse_all = torch.logsumexp(torch.cat([lse_c, s_diag.float()], dim=-1), dim=-1, keepdim=True)
-        w_c = torch.exp(lse_c - lse_all).to(q.dtype)                                    # [B, h, T, 1]
-        w_d = torch.exp(s_diag.float() - lse_all).to(q.dtype)                           # [B, h, T, j]
-        return w_c * o_c + (w_d.unsqueeze(-1) * vd_s).sum(3)
+        return _merge_diagonal(o_c, lse_c, q, kd_s, vd_s, scale)
     if impl == "manual":
-        # one explicit softmax over [causal step-0 scores | j diagonal scores]
-        s_c = (q @ k0.transpose(-1, -2) * scale).masked_fill(causal_blocked, float("-inf"))  # [B, h, T, T]
-        p = torch.softmax(torch.cat([s_c, s_diag], dim=-1).float(), dim=-1).to(q.dtype)   # [B, h, T, T+j]
-        return p[..., :T] @ v0 + (p[..., T:].unsqueeze(-1) * vd_s).sum(3)
+        return _manual_block(q, k0, v0, kd_s, vd_s, 0, scale)
+    if impl == "chunked":
+        return _chunked(q, k0, v0, kd_s, vd_s, scale, block)
+    if impl == "flex":
+        o_c, lse_c = _flex_causal(q, k0, v0, mask_cache)
+        return _merge_diagonal(o_c, lse_c, q, kd_s, vd_s, scale)
     raise ValueError(f"attention impl {impl!r}: expected one of {ATTENTION_IMPLS}")
 
 
@@ -319,7 +411,10 @@ class Eagle3Drafter(nn.Module):
         self.rotary = RotaryEmbedding(config)
         self.register_buffer("d2t", torch.zeros(Dv, dtype=torch.int64))          # target = i + d2t[i]
         self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
-        self.attention_impl = "manual"   # TTT attention formulation (see ttt_attention); same function
+        # Training-only settings (train.attention / train.activation_checkpointing); none changes the function.
+        self.attention_impl = "manual"       # TTT attention formulation (ttt_attention, resolve_attention)
+        self.attention_block = QUERY_BLOCK   # query block of the "chunked" formulation
+        self.activation_checkpointing = False  # recompute each TTT step's layer in backward
         self._mask_cache: dict = {}
         self.reset_parameters()
 
@@ -387,29 +482,45 @@ class Eagle3Drafter(nn.Module):
         Returns per step j the final-normed states [B, T, H] (feed to lm_head): step j at position t
         reads (h_{j-1,t} or g_t, x_{t+1+j}) at rope position t+j and predicts x_{t+2+j}.
         Positions whose input token lies beyond T read token id 0: their outputs are garbage but
-        finite and the loss must mask them (t + 2 + j >= length)."""
-        attn = self.midlayer.self_attn
+        finite and the loss must mask them (t + 2 + j >= length).
+        With activation_checkpointing (and grad enabled) each step's layer runs under
+        torch.utils.checkpoint: backward keeps only the step inputs and recomputes the rest."""
         B, T = input_ids.shape
         base_pos = torch.arange(T, device=input_ids.device).expand(B, T)
         hidden = self.fuse(aux)                                          # g [B, T, H]
         padded_ids = F.pad(input_ids, (0, ttt_steps))                    # [B, T + J], 0 past the end
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         k0 = v0 = None
         kd, vd, outs = [], [], []
         for j in range(ttt_steps):
             ids = padded_ids[:, j + 1: j + 1 + T]                        # x_{t+1+j}  [B, T]
-            q, k, v, residual = self._step_layer_input(hidden, ids, base_pos + j)
-            k, v = attn.expand_kv(k), attn.expand_kv(v)                  # [B, h, T, d]
+            args = (hidden, ids, base_pos + j, k0, v0, kd, vd)
+            if recompute:
+                h, normed, k, v = checkpoint(self._ttt_step, *args, use_reentrant=False)
+            else:
+                h, normed, k, v = self._ttt_step(*args)
             if j == 0:
                 k0, v0 = k, v
             else:
-                kd.append(k)
-                vd.append(v)
-            o = ttt_attention(q, k0, v0, kd, vd, self.attention_impl, self._mask_cache)
-            h = self.midlayer.finish(attn.out(o), residual)              # [B, T, H]
-            normed = self.norm(h)
+                kd, vd = kd + [k], vd + [v]
             outs.append(normed)
             hidden = h if self.config.next_step_hidden == "pre_norm" else normed
         return outs
+
+    def _ttt_step(self, hidden, ids, position_ids, k0, v0, kd: list, vd: list):
+        """One TTT step's layer. hidden [B, T, H], ids/position_ids [B, T]; k0/v0 [B, h, T, d] of step 0
+        (None at step 0), kd/vd the keys/values of steps 1..j-1. -> h [B, T, H] (pre-norm),
+        normed [B, T, H], this step's k, v [B, h, T, d]."""
+        attn = self.midlayer.self_attn
+        q, k, v, residual = self._step_layer_input(hidden, ids, position_ids)
+        k, v = attn.expand_kv(k), attn.expand_kv(v)                      # [B, h, T, d]
+        if k0 is None:
+            o = ttt_attention(q, k, v, [], [], self.attention_impl, self._mask_cache, self.attention_block)
+        else:
+            o = ttt_attention(q, k0, v0, kd + [k], vd + [v], self.attention_impl, self._mask_cache,
+                              self.attention_block)
+        h = self.midlayer.finish(attn.out(o), residual)                  # [B, T, H]
+        return h, self.norm(h), k, v
 
     def ttt_forward(self, aux: torch.Tensor, input_ids: torch.Tensor, ttt_steps: int,
                     attention_mask: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
@@ -420,6 +531,13 @@ class Eagle3Drafter(nn.Module):
             if (m[:, 1:] & ~m[:, :-1]).any():
                 raise ValueError("ttt_forward: attention_mask must be right padding (ones, then zeros)")
         return [self.lm_head(s) for s in self.ttt_hidden(aux, input_ids, ttt_steps)]
+
+    # -- training choices (same function, different cost) --
+    def configure_training(self, attention: str, activation_checkpointing: bool, device) -> None:
+        """train.attention (resolved for `device`, see resolve_attention) and
+        train.activation_checkpointing; the trainer and the memory model both call this."""
+        self.attention_impl = resolve_attention(attention, device)
+        self.activation_checkpointing = activation_checkpointing
 
     # -- vocabulary and weights --
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:

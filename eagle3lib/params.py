@@ -137,6 +137,12 @@ class TrainParams:
     # noise to its features for the same reason). 0: off. Evaluation never adds noise.
     feature_noise: float = 0.0
     compile: bool = False
+    # TTT attention formulation (model.ttt_attention; all compute the same function): auto ("manual"
+    # on CPU, the fastest measured there; "flex" on GPUs, no T x T scores) | manual | merge | mask |
+    # chunked | flex. activation_checkpointing: recompute each TTT step's layer in backward (saves
+    # the step's activations for the price of a second forward of the layer).
+    attention: str = "auto"
+    activation_checkpointing: bool = False
     tracking: str = "none"               # none | tensorboard
     distributed: str = "none"            # none | ddp | fsdp
     nproc: int = 1
@@ -261,6 +267,7 @@ CHOICES = {
     "train.label_positions": {"assistant", "all"},
     "train.tracking": {"none", "tensorboard"},
     "train.distributed": {"none", "ddp", "fsdp"},
+    "train.attention": {"auto", "manual", "merge", "mask", "chunked", "flex"},   # model.ATTENTION_CHOICES
     "eval.vllm_dtype": {"bfloat16", "float16", "float32"},
     "eval.dtype": {"bfloat16", "float32"},
 }

@@ -192,7 +192,8 @@ def save_final(out_dir: Path, drafter_state: dict, config: Eagle3Config, extra: 
 # Train fields that may change between a run and its resumption (they do not change the math).
 RESUMABLE_CHANGES = {"resume", "time_budget_minutes", "checkpoint_every", "eval_sequences", "tracking",
                      "compile", "max_steps", "epochs", "nproc", "distributed",
-                     "diverge_steps", "diverge_uniform_rtol", "diverge_loss_rise", "diverge_grad_norm"}
+                     "diverge_steps", "diverge_uniform_rtol", "diverge_loss_rise", "diverge_grad_norm",
+                     "attention", "activation_checkpointing"}     # same function, other cost
 
 
 def training_identity(P: Params, cache_fingerprint: Optional[str] = None) -> str:
@@ -434,6 +435,7 @@ def setup(P: Params, layout: RunLayout, dist: Dist, device: torch.device) -> Tra
     # noise is in units of s: the batch already holds aux / s when fc_input_scaling is on
     noise_scale = aux_scale(cache) if t.feature_noise > 0 and not t.fc_input_scaling else None
     drafter = build_drafter(P, target_path(P), cache.hidden_size, cache.aux_layers, d2t, t2d, scale).to(device)
+    drafter.configure_training(t.attention, t.activation_checkpointing, device)
     scoring = build_scoring(P, layout, drafter, device, scale=scale, compile=t.compile)
     model = wrap_model(scoring.objective, t.distributed, dist)
     optimizers = make_optimizers_for(model, t)
@@ -619,6 +621,10 @@ def train(P: Params, run_dir, progress: bool = True, callback: Optional[Callable
             raise RuntimeError("launched under torchrun with several processes but train.distributed is none; "
                                "set train.distributed to ddp or fsdp")
         run = setup(P, RunLayout(run_dir), dist, dist.device("auto"))
+        if progress and dist.rank == 0:
+            d = run.scoring.objective.drafter
+            print(f"TTT attention: {d.attention_impl} (train.attention: {P.train.attention}, device "
+                  f"{run.device.type}) | activation checkpointing: {d.activation_checkpointing}")
         if progress and dist.rank == 0 and run.step:
             print(f"resumed from {latest_checkpoint(run.layout.checkpoints)} (step {run.step}/{run.total_steps})")
         return finish(run, *loop(run, progress, callback))

@@ -5,8 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3lib.model import ATTENTION_IMPLS, DraftKVCache, Eagle3Config, Eagle3Drafter
+from eagle3lib.model import (ATTENTION_CHOICES, ATTENTION_IMPLS, DraftKVCache, Eagle3Config, Eagle3Drafter,
+                             resolve_attention)
+from eagle3lib.params import CHOICES, TrainParams
 from eagle3lib.target import load_target_tensors
+
+# CUDA joins the device-parametrised tests where there is one (run them on a GPU machine with
+# `pytest tests/test_model.py -k cuda`); there are no skips on a CPU-only machine, the case is absent.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def has_backward(impl: str, device: str) -> bool:
+    """flex_attention has no backward on CPU (PyTorch raises NotImplementedError)."""
+    return not (impl == "flex" and device == "cpu")
 
 
 def small_config(seed: int, norm_before_residual: bool, **kw) -> Eagle3Config:
@@ -91,6 +102,109 @@ def test_parallel_ttt_equals_naive_inference_loop(norm_before_residual, ttt_step
             wrong = naive_ttt_logits(model, aux, ids, ttt_steps, step_advances_position=False)
         assert (wrong[0] - naive[0]).abs().max() < 1e-5
         assert (wrong[1] - naive[1]).abs().max() > 1e-3
+
+
+def _weighted_logit_sum(logits: list, seed: int) -> torch.Tensor:
+    """A scalar that depends on every logit of every step with its own random weight."""
+    g = torch.Generator().manual_seed(seed)
+    return sum((torch.randn(l.shape, generator=g).to(l.device) * l).sum() for l in logits)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", ATTENTION_IMPLS)
+def test_every_attention_formulation_matches_the_naive_unroll_forward_and_gradients(impl, device):
+    """GQA (4 query heads on 2 kv heads), fp32, T=11 with query blocks of 4 (3 blocks, the last one
+    short) for "chunked": logits and the gradients of every parameter and of aux equal the naive
+    inference loop's. flex on CPU runs PyTorch's eager reference (forward only: no CPU backward)."""
+    cfg = small_config(3, True, num_attention_heads=4, num_key_value_heads=2)
+    model = random_drafter(cfg, 3)
+    J, B, T = 4, 2, 11
+    torch.manual_seed(4)
+    aux = torch.randn(B, T, 3, cfg.hidden_size)
+    ids = torch.randint(cfg.vocab_size, (B, T))
+
+    aux_ref = aux.clone().requires_grad_(True)
+    naive = naive_ttt_logits(model, aux_ref, ids, J)
+    _weighted_logit_sum(naive, 7).backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert "midlayer.self_attn.k_proj.weight" in ref_grads and "fc.weight" in ref_grads
+
+    model = model.to(device)
+    model.zero_grad()
+    model.attention_impl, model.attention_block = impl, 4
+    aux_dev = aux.to(device).requires_grad_(True)
+    backward = has_backward(impl, device)
+    with torch.set_grad_enabled(backward):
+        par = model.ttt_forward(aux_dev, ids.to(device), J)
+    for j in range(J):
+        err = (par[j].cpu() - naive[j].detach()).abs().max().item()
+        assert err < 1e-5, f"{impl} on {device}, step {j}: max |parallel - naive| = {err}"
+    if not backward:
+        return
+    _weighted_logit_sum(par, 7).backward()
+    torch.testing.assert_close(aux_dev.grad.cpu(), aux_ref.grad, rtol=1e-4, atol=1e-5)
+    for n, g in ref_grads.items():
+        p = dict(model.named_parameters())[n]
+        torch.testing.assert_close(p.grad.cpu(), g, rtol=1e-4, atol=1e-5, msg=lambda m: f"{impl} {n}: {m}")
+
+
+def _saved_bytes(run) -> int:
+    """Bytes of the distinct storages that autograd saves for backward while run() builds the graph
+    (saved_tensors_hooks; tensors saved inside a non-reentrant checkpoint are not seen: it keeps
+    the checkpointed function's inputs instead, counted by the caller)."""
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return sum(storages.values()), out
+
+
+@pytest.mark.parametrize("impl", ["manual", "chunked"])
+def test_activation_checkpointing_gives_the_same_gradients_and_saves_less(impl):
+    from eagle3lib.objective import step_counts, ttt_loss
+    model, items, _, J, prep = _loss_setup(seed=11, ttt_steps=4)
+    model.attention_impl, model.attention_block = impl, 4
+    batch = prep(items)
+
+    def run(ckpt: bool):
+        model.zero_grad()
+        model.activation_checkpointing = ckpt
+        def forward():
+            states = model.ttt_hidden(batch["aux"], batch["input_ids"], J)
+            return ttt_loss(states, model.lm_head, model.d2t, batch, step_counts(batch["tgt_u"], J), 0.8)[0]
+        saved, loss = _saved_bytes(forward)
+        loss.backward()
+        return saved, loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    saved_plain, loss_plain, g_plain = run(False)
+    saved_ckpt, loss_ckpt, g_ckpt = run(True)
+    assert loss_ckpt == loss_plain
+    assert g_ckpt.keys() == g_plain.keys() and "fc.weight" in g_plain
+    for n in g_plain:
+        assert torch.equal(g_ckpt[n], g_plain[n]), f"{n}: gradient differs with activation checkpointing"
+    # what the checkpoints keep instead: their inputs, i.e. g and each step's h, k, v (an upper bound)
+    cfg = model.config
+    B, T = batch["input_ids"].shape
+    step_inputs = 4 * B * T * ((J + 1) * cfg.hidden_size + 2 * J * cfg.num_attention_heads * cfg.head_dim)
+    assert saved_ckpt + step_inputs < 0.5 * saved_plain, (saved_ckpt, step_inputs, saved_plain)
+    model.activation_checkpointing = False
+
+
+def test_attention_choice_resolves_per_device_and_params_accept_exactly_the_choices():
+    assert resolve_attention("auto", "cpu") == "manual"           # fastest measured on the 2-core CPU
+    assert resolve_attention("auto", "cuda") == "flex"            # no T x T scores (chosen by memory)
+    assert resolve_attention("auto", torch.device("cuda", 1)) == "flex"
+    for impl in ATTENTION_IMPLS:
+        assert resolve_attention(impl, "cuda") == impl and resolve_attention(impl, "cpu") == impl
+    with pytest.raises(ValueError, match="attention 'sdpa'"):
+        resolve_attention("sdpa", "cpu")
+    assert CHOICES["train.attention"] == set(ATTENTION_CHOICES)
+    assert TrainParams().attention == "auto" and TrainParams().activation_checkpointing is False
 
 
 def test_parameter_names_follow_vllm():
@@ -259,22 +373,29 @@ def test_ttt_loss_matches_the_spec_and_ignores_masked_positions_exactly():
     assert not torch.equal(loss3, loss)
 
 
-def test_bf16_autocast_loss_and_gradients_stay_close_to_fp32():
+@pytest.mark.parametrize("impl", ATTENTION_IMPLS)
+def test_bf16_autocast_loss_and_gradients_stay_close_to_fp32(impl):
+    """Every formulation; flex on CPU compares the loss only (no CPU backward)."""
     from eagle3lib.objective import step_counts, ttt_loss
     model, items, _, J, prep = _loss_setup(seed=9)
+    model.attention_impl, model.attention_block = impl, 4
     batch = prep(items)
+    backward = has_backward(impl, "cpu")
 
     def run(bf16: bool):
         model.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), torch.set_grad_enabled(backward):
             states = model.ttt_hidden(batch["aux"], batch["input_ids"], J)
             loss, _ = ttt_loss(states, model.lm_head, model.d2t, batch, step_counts(batch["tgt_u"], J), 0.8)
-        loss.backward()
+        if backward:
+            loss.backward()
         return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     loss32, g32 = run(False)
     loss16, g16 = run(True)
     assert abs(loss16 - loss32) < 1e-2 * abs(loss32)
+    if not backward:
+        return
     assert g16.keys() == g32.keys() and "lm_head.weight" in g32 and "fc.weight" in g32
     for name in g32:
         rel = ((g16[name] - g32[name]).norm() / g32[name].norm()).item()
