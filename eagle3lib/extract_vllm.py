@@ -230,9 +230,9 @@ def architecture_error(model_path: str, trust_remote_code: bool) -> Optional[str
     """Why vLLM cannot run this checkpoint's architecture (None: it can). vLLM's Transformers fallback
     does not count: extract_hidden_states needs the model's own aux-hidden-state support."""
     from vllm import ModelRegistry   # lazy: vLLM is imported in this child process only
-    archs = read_text_config(Path(model_path)).get("architectures") or []
     cfg = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
-    archs = archs + (cfg.get("architectures") or [])
+    archs = list(dict.fromkeys((cfg.get("architectures") or []) +
+                               (cfg.get("text_config", {}).get("architectures") or [])))
     supported = set(ModelRegistry.get_supported_archs())
     if not any(a in supported for a in archs):
         return (f"target {model_path}: architecture {archs or '(none in config.json)'} is not one vLLM "

@@ -27,7 +27,7 @@ from eagle3lib.target import load_target_tensors
 
 pytestmark = pytest.mark.vllm
 
-LENGTHS = [37, 120, 5, 64, 64, 99, 1, 110, 17, 80, 0, 45]     # one empty row; 6 shards of <= 300 tokens
+LENGTHS = [37, 120, 5, 64, 64, 99, 1, 110, 17, 80, 0, 45]     # one empty row; shards of <= 300 tokens
 
 
 def make_params(target_dir, out_dir, backend):
@@ -67,7 +67,7 @@ def runs(smollm2_dir, tmp_path_factory, dataset):
 
 def test_vllm_cache_equals_hf_cache(runs):
     (_, sv, vc), (_, sh, hc) = runs["vllm"], runs["hf"]
-    assert sv["complete"] and sv["num_shards"] == sh["num_shards"] == 6
+    assert sv["complete"] and sv["num_shards"] == sh["num_shards"] >= 3
     assert sv["bytes_total"] == sh["bytes_total"]                   # same file sizes, same reader
     assert vc.aux_layers == hc.aux_layers and len(vc) == len(hc) == 11
     assert not list(Path(sv["path"]).glob(".vllm-staging-*")) and not list(Path(sv["path"]).parent.glob(".vllm-staging-*"))
@@ -127,7 +127,7 @@ def test_sigkill_then_rerun_gives_identical_bytes(runs, smollm2_dir, tmp_path, d
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     done = json.loads((out / "manifest.json").read_text())["shards"] if (out / "manifest.json").exists() else []
-    assert len(done) < 6                                               # killed mid-run
+    assert len(done) < runs["vllm"][1]["num_shards"]                  # killed mid-run
     resumed = extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
     assert resumed["complete"] and resumed["shards_skipped"] == len(done)
     assert shard_bytes(out) == shard_bytes(Path(runs["vllm"][1]["path"]))
