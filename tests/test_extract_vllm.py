@@ -84,7 +84,7 @@ def test_vllm_cache_equals_hf_cache(runs):
 
 def test_final_state_is_after_the_norm_and_argmax_agrees(runs, smollm2_dir):
     """The target head on vLLM's cached final state picks the HF final state's token on >= 99 % of
-    decisive tokens (top-1 leads top-2 by > 0.5); the pre-norm state would not."""
+    decisive tokens (top-1 leads top-2 by > 0.5)."""
     head = load_target_tensors(smollm2_dir)["lm_head"].float()                  # [V, H]
     vc, hc = runs["vllm"][2], runs["hf"][2]
     agree = decisive = 0
