@@ -74,6 +74,7 @@ def compare_backends(args) -> dict:
         with tempfile.TemporaryDirectory(prefix=f"bench-extract-{backend}-") as tmp:
             P = load_params(args.params, overrides={
                 "output_dir": tmp, "target": {"path": str(path), "dtype": args.dtype},
+                "data": {"max_length": args.seq},
                 "extract": {"backend": backend, "batch_tokens": args.batch * args.seq,
                             "shard_tokens": 2 * args.batch * args.seq}})
             t0 = time.perf_counter()
