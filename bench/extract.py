@@ -1,6 +1,11 @@
 """Extraction throughput on the embedded SmolLM2 target versus a bare HF forward of the same batches.
 
     python bench/extract.py [--batches 3] [--batch 8] [--seq 256] [--rounds 2] [--dtype bfloat16] [--threads N]
+    python bench/extract.py --backends [--batches 3] [--batch 8] [--seq 256] [--dtype float32]
+
+--backends compares the whole stage with extract.backend hf against vllm (extract_vllm.py) on the same
+random batches: tokens/s of the forwards + writes (engine start and model load excluded, reported
+apart) and bytes/token of the cache. Use float32 on an AVX2-only CPU (bf16 is emulated there).
 
 Each method runs over the same batches of random token ids, once per round, in one process:
   bare forward           model.model(ids, mask): the decoder alone, no capture (the baseline)
@@ -51,6 +56,41 @@ def output_hidden_states_capture(model, ids, mask, aux_layers, dtype):
     return aux, final
 
 
+def random_dataset(batches: int, batch: int, seq: int, vocab: int):
+    from datasets import Dataset
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, vocab, (seq,), generator=gen).tolist() for _ in range(batches * batch)]
+    return Dataset.from_dict({"conv_id": [str(i) for i in range(len(rows))], "input_ids": rows,
+                              "loss_mask": [[1] * seq for _ in rows]})
+
+
+def compare_backends(args) -> dict:
+    """extract.backend hf vs vllm: the whole stage on the same rows, fresh cache each."""
+    P0 = load_params(args.params)
+    path = target_path(P0)
+    ds = random_dataset(args.batches, args.batch, args.seq, P0.target_shape()["vocab_size"])
+    results = {}
+    for backend in ("hf", "vllm"):
+        with tempfile.TemporaryDirectory(prefix=f"bench-extract-{backend}-") as tmp:
+            P = load_params(args.params, overrides={
+                "output_dir": tmp, "target": {"path": str(path), "dtype": args.dtype},
+                "data": {"max_length": args.seq},
+                "extract": {"backend": backend, "batch_tokens": args.batch * args.seq,
+                            "shard_tokens": 2 * args.batch * args.seq}})
+            t0 = time.perf_counter()
+            s = extract_hidden_states(P, P.layout(), "train", dataset=ds, progress=False)
+            total = time.perf_counter() - t0
+        results[backend] = {"tokens": s["tokens_computed"], "seconds": s["seconds"], "tokens_per_s": s["tokens_per_s"],
+                            "start_s": total - s["seconds"], "bytes_per_token": s["bytes_per_token"]}
+    print(f"target {path.name} ({args.dtype}), cache {P0.extract.dtype}; {args.batches} batches of "
+          f"{args.batch} x {args.seq} tokens; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{'backend':<8}{'tokens':>8}{'stage s':>9}{'tok/s':>8}{'start s':>9}{'bytes/token':>13}")
+    for name, r in results.items():
+        print(f"{name:<8}{r['tokens']:>8}{r['seconds']:9.2f}{r['tokens_per_s']:8.0f}{r['start_s']:9.1f}"
+              f"{r['bytes_per_token']:13.1f}")
+    return results
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="params/local.yaml")
@@ -60,9 +100,12 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--backends", action="store_true", help="compare extract.backend hf vs vllm")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.backends:
+        return compare_backends(args)
 
     P = load_params(args.params)
     path = target_path(P)

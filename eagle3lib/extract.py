@@ -37,6 +37,7 @@ from .cache import (MANIFEST, CacheError, CacheHeader, CacheWriter, HiddenCache,
                     merge_manifests, plan_shards, read_manifest, read_records, record_is_valid, record_path,
                     shard_file_bytes, shard_temp)
 from .dist import Dist
+from .extract_vllm import open_vllm_backend
 from .layout import RunLayout
 from .params import Params, ParamsError
 from .progress import tqdm
@@ -335,7 +336,7 @@ def open_hf_backend(P: Params, path: Path, dist: Dist, model=None) -> HFBackend:
 
 # extract.backend -> opener(P, target path, dist, model or None) -> Backend, called only when some
 # shard is left to compute.
-BACKENDS = {"hf": open_hf_backend}
+BACKENDS = {"hf": open_hf_backend, "vllm": open_vllm_backend}
 
 
 # ---- the stage ------------------------------------------------------------------------------

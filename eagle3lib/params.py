@@ -60,6 +60,13 @@ class TargetParams:
     # (keys: num_hidden_layers, hidden_size, vocab_size, optionally intermediate_size, ...).
     shape: Optional[dict] = None
     trust_remote_code: bool = False
+    # vLLM engine settings (engine.py) for every stage that runs the target in vLLM.
+    tensor_parallel_size: int = 1        # GPUs one engine shards the weights over
+    data_parallel_size: int = 1          # engine replicas (vllm.LLM takes 1 only: engine.build_kwargs)
+    enable_expert_parallel: bool = False  # MoE experts sharded over the TP ranks
+    gpu_memory_utilization: float = 0.5  # share of each GPU the engine may take
+    max_num_batched_tokens: Optional[int] = None  # tokens per engine step (None: vLLM's default)
+    enforce_eager: bool = True           # no CUDA graphs (faster start; the CPU build needs it)
 
 
 @dataclass
@@ -90,6 +97,8 @@ class ExtractParams:
     backend: str = "hf"                  # hf (default) | vllm (optional, big box)
     device: str = "auto"                 # auto | cpu | cuda
     nproc: int = 1                       # processes under torchrun (data parallel)
+    vllm_max_num_batched_tokens: Optional[int] = None  # backend vllm: tokens per engine step
+                                         # (None: target.max_num_batched_tokens)
 
 
 @dataclass
@@ -173,6 +182,9 @@ class EvalParams:
     use_vllm: bool = True
     vllm_dtype: str = "float32"
     vllm_prompts: Optional[int] = None   # None: same as num_prompts
+    # Tokens per vLLM engine step in the benchmarks: small, so the CPU engine starts in ~2 s
+    # instead of ~30 s (NOTES.md); None: target.max_num_batched_tokens.
+    vllm_max_num_batched_tokens: Optional[int] = 512
     # eagle3lib's reference decoder runs the first n held-out prompts (None: all of them). It is
     # single-threaded and exact; on a 2-core CPU it costs minutes per method, vLLM seconds.
     decoder_prompts: Optional[int] = None
@@ -410,6 +422,16 @@ def validate(p: Params) -> Params:
     need(x.batch_tokens >= d.max_length, "extract.batch_tokens", "must be >= data.max_length")
     need(x.shard_tokens >= 1, "extract.shard_tokens", "must be >= 1")
     need(x.nproc >= 1, "extract.nproc", "must be >= 1")
+    tg = p.target
+    need(tg.tensor_parallel_size >= 1, "target.tensor_parallel_size", "must be >= 1")
+    need(tg.data_parallel_size >= 1, "target.data_parallel_size", "must be >= 1")
+    need(0 < tg.gpu_memory_utilization <= 1, "target.gpu_memory_utilization", "must be in (0, 1]")
+    need(tg.max_num_batched_tokens is None or tg.max_num_batched_tokens >= 16, "target.max_num_batched_tokens",
+         "must be >= 16 (or null: vLLM's default)")
+    need(x.vllm_max_num_batched_tokens is None or x.vllm_max_num_batched_tokens >= 16,
+         "extract.vllm_max_num_batched_tokens", "must be >= 16 (or null: target.max_num_batched_tokens)")
+    need(e.vllm_max_num_batched_tokens is None or e.vllm_max_num_batched_tokens >= 16,
+         "eval.vllm_max_num_batched_tokens", "must be >= 16 (or null: target.max_num_batched_tokens)")
     need(1 <= t.ttt_steps <= 16, "train.ttt_steps", "must be in 1..16")
     need(0 < t.decay <= 1, "train.decay", "must be in (0, 1]")
     need(t.lr > 0, "train.lr", "must be > 0")

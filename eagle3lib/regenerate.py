@@ -40,10 +40,12 @@ from pathlib import Path
 from typing import Callable, Optional
 
 
+from .engine import engine_kwargs
 from .files import atomic_write_bytes, atomic_write_json
 from .layout import RunLayout
 from .progress import tqdm
 from .target import load_target, load_tokenizer, target_path
+from .vllm_bench import subprocess_env
 
 # generate(conversations, seeds) -> [(text, new_tokens, capped)]
 Generator = Callable[[list, list], list]
@@ -250,13 +252,16 @@ class HFGenerator:
 
 
 class VLLMGenerator:
-    """vLLM's offline `LLM.chat` (public API). Construct it only in a `__main__` process."""
+    """vLLM's offline `LLM.chat` (public API). Construct it only in a `__main__` process.
 
-    def __init__(self, model_path, dtype: str, max_new_tokens: int, temperature: float,
-                 max_model_len: int, seed: int = 0):
+    engine: `vllm.LLM` kwargs from engine.engine_kwargs(P, "regenerate", ...). Each call submits all
+    conversations of one chunk (data.regen_batch_size chats) at once and vLLM batches them
+    continuously; a chunk file is written when its call returns, so a kill loses at most one chunk.
+    A larger regen_batch_size keeps the engine fuller (fewer waits on a chunk's longest answer)."""
+
+    def __init__(self, engine: dict, max_new_tokens: int, temperature: float):
         from vllm import LLM  # optional dependency, and only this backend's subprocess needs it
-        self.llm = LLM(model=str(model_path), dtype=dtype, enforce_eager=True,
-                       gpu_memory_utilization=0.5, max_model_len=max_model_len, seed=seed)
+        self.llm = LLM(**engine)
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
 
     def __call__(self, conversations: list, seeds: list) -> list:
@@ -274,7 +279,8 @@ class VLLMGenerator:
 
 
 def _run_vllm_subprocess(P, model_path: Path, chats: list[dict], out_dir: Path) -> None:
-    """Run `python -m eagle3lib.regenerate` on `chats`; relays its [regen] lines, keeps a log."""
+    """Run `python -m eagle3lib.regenerate` on `chats`; relays its [regen] lines, keeps a log.
+    The engine settings come from engine.engine_kwargs (target.* engine keys)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256("\n".join(c["id"] for c in chats).encode()).hexdigest()[:12]
     requests = out_dir / f"requests-{digest}.jsonl"
@@ -284,11 +290,14 @@ def _run_vllm_subprocess(P, model_path: Path, chats: list[dict], out_dir: Path) 
            "--requests", str(requests), "--out-dir", str(out_dir), "--dtype", P.target.dtype,
            "--max-new-tokens", str(d.regen_max_new_tokens), "--temperature", str(d.regen_temperature),
            "--max-turns", str(d.regen_max_turns), "--max-length", str(d.max_length),
-           "--batch-size", str(d.regen_batch_size), "--seed", str(P.seed)]
+           "--batch-size", str(d.regen_batch_size), "--seed", str(P.seed),
+           "--engine", json.dumps(engine_kwargs(P, "regenerate", model_path,
+                                                max_model_len=d.max_length + d.regen_max_new_tokens))]
     log_path = out_dir / "vllm.log"
     tail = []
     with open(log_path, "a", encoding="utf-8") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=subprocess_env())
         for line in proc.stdout:
             log.write(line)
             tail = (tail + [line.rstrip()])[-40:]
@@ -370,6 +379,7 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--max-length", type=int, required=True)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine", required=True, help="JSON: vllm.LLM kwargs (engine.engine_kwargs)")
     args = ap.parse_args(argv)
 
     chats = [json.loads(l) for l in Path(args.requests).read_text(encoding="utf-8").split("\n") if l.strip()]
@@ -378,9 +388,9 @@ def main(argv: Optional[list] = None) -> int:
     print(f"[regen] vLLM: {len(chats)} chats to regenerate", flush=True)
     if not chats:
         return 0
-    tokenizer = load_tokenizer(Path(args.model))
-    generate = VLLMGenerator(args.model, args.dtype, args.max_new_tokens, args.temperature,
-                             max_model_len=args.max_length + args.max_new_tokens, seed=args.seed)
+    engine = json.loads(args.engine)
+    tokenizer = load_tokenizer(Path(args.model), engine.get("trust_remote_code", False))
+    generate = VLLMGenerator(engine, args.max_new_tokens, args.temperature)
     run_chunks(chats, generate, tokenizer, Path(args.out_dir), args.batch_size, args.max_turns,
                args.max_length, args.seed, progress=False)
     return 0

@@ -24,6 +24,8 @@ The spec (a JSON object):
     ignore_eos             false (default)
     seed, gpu_memory_utilization (0.5), enforce_eager (true), max_model_len (auto),
     max_num_batched_tokens (512: a small warm-up; longer prompts are prefilled in chunks)
+    engine                 optional: engine.engine_kwargs(P, "eval", ...) (tensor/expert parallel,
+                           trust_remote_code, ...); its keys win over the three above
 
 The result: {"vllm_version", "iomp_preloaded", "modes": [{name, method, k, tokens_per_s,
 elapsed_s, decode_s, decode_tokens_per_s, num_new_tokens, load_s, acceptance_length, num_drafts,
@@ -48,6 +50,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from .engine import build_kwargs
 from .files import atomic_write_json
 
 METHODS = ("plain", "ngram", "eagle3")
@@ -196,19 +199,27 @@ def _generate_one_by_one(llm, prompts: list, params, before: dict) -> tuple:
     return outs, per_prompt, elapsed
 
 
+def mode_engine_kwargs(spec: dict, m: dict) -> dict:
+    """`vllm.LLM` kwargs of one mode, built by engine.build_kwargs: spec["engine"] (the eval
+    stage's engine.engine_kwargs(P, "eval", ...): parallelism, trust_remote_code, ...) when given,
+    else the spec's own keys; max_model_len fits the longest prompt, the answer and the drafts."""
+    max_len = max(len(p) for p in spec["prompts"]) + spec["max_new_tokens"] + 2 * max(m.get("k", 0), 1) + 16
+    base = dict(spec.get("engine") or {})
+    for key in ("model", "tokenizer", "dtype", "seed", "max_model_len"):
+        base.pop(key, None)
+    base.setdefault("gpu_memory_utilization", spec.get("gpu_memory_utilization", 0.5))
+    base.setdefault("enforce_eager", spec.get("enforce_eager", True))
+    base.setdefault("max_num_batched_tokens", spec.get("max_num_batched_tokens", 512))
+    return build_kwargs(spec["target"], spec.get("dtype", "float32"), spec.get("max_model_len") or max_len,
+                        spec.get("seed", 0), where="eval", **base)
+
+
 def _run_mode(spec: dict, m: dict) -> dict:
     from vllm import LLM, SamplingParams   # lazy: vLLM (heavy, optional) runs in the child only
 
     prompts = [{"prompt_token_ids": list(map(int, p))} for p in spec["prompts"]]
-    max_len = max(len(p) for p in spec["prompts"]) + spec["max_new_tokens"] + 2 * max(m.get("k", 0), 1) + 16
     t0 = time.perf_counter()
-    llm = LLM(model=str(spec["target"]), tokenizer=str(spec["target"]), dtype=spec.get("dtype", "float32"),
-              enforce_eager=spec.get("enforce_eager", True),
-              gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.5),
-              disable_log_stats=False, seed=spec.get("seed", 0),
-              max_model_len=spec.get("max_model_len") or max_len,
-              max_num_batched_tokens=spec.get("max_num_batched_tokens", 512),
-              speculative_config=speculative_config(m))
+    llm = LLM(**mode_engine_kwargs(spec, m), disable_log_stats=False, speculative_config=speculative_config(m))
     load_s = time.perf_counter() - t0
     params = SamplingParams(temperature=spec.get("temperature", 0.0), max_tokens=spec["max_new_tokens"],
                             ignore_eos=spec.get("ignore_eos", False), seed=spec.get("seed", 0))

