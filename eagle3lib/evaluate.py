@@ -32,6 +32,7 @@ import torch
 from .data import load_eval_prompts
 from .decode import (DecodeStats, Eagle3Proposer, NgramProposer, NoProposer, greedy_generate,
                      speculative_generate)
+from .engine import engine_kwargs
 from .layout import RunLayout
 from .progress import tqdm
 from .target import eos_ids, load_target, load_tokenizer, target_path
@@ -250,10 +251,13 @@ def run_vllm_eval(P, target_dir, prompts: list, modes: list, workdir, max_new_to
     """Run the modes in ONE vLLM subprocess. Returns (summary DataFrame, raw result dict).
     Uses the first eval.vllm_prompts prompts (None: all), dtype eval.vllm_dtype, T = eval.temperature."""
     n = P.eval.vllm_prompts or len(prompts)
+    new_tokens = max_new_tokens or P.eval.max_new_tokens
+    longest = max(len(p["input_ids"]) for p in prompts[:n]) + new_tokens     # each mode adds its drafts
     spec = {"target": str(target_dir), "dtype": P.eval.vllm_dtype,
-            "prompts": [p["input_ids"] for p in prompts[:n]],
-            "max_new_tokens": max_new_tokens or P.eval.max_new_tokens,
-            "temperature": P.eval.temperature, "seed": P.seed, "modes": modes}
+            "prompts": [p["input_ids"] for p in prompts[:n]], "max_new_tokens": new_tokens,
+            "temperature": P.eval.temperature, "seed": P.seed, "modes": modes,
+            # parallelism, memory, batch budget, trust_remote_code: the same settings as every vLLM pass
+            "engine": engine_kwargs(P, "eval", target_dir, longest, dtype=P.eval.vllm_dtype)}
     raw = run_vllm(spec, workdir=workdir, timeout=timeout)
     rows = []
     plain = next((m for m in raw["modes"] if m["method"] == PLAIN), None)

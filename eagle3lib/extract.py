@@ -350,7 +350,8 @@ def extract_hidden_states(P: Params, run, split: str = "train", model=None, prog
     Under torchrun (WORLD_SIZE > 1) every rank calls this; rank r writes shards r, r+W, ...
     """
     if P.extract.backend not in BACKENDS:
-        raise NotImplementedError(f"extract.backend={P.extract.backend!r} is not implemented; use 'hf'")
+        raise NotImplementedError(f"extract.backend={P.extract.backend!r} is not implemented; use one of "
+                                  f"{', '.join(BACKENDS)}")
     layout = run if isinstance(run, RunLayout) else RunLayout(run)
     out_dir = layout.hidden(split)
     ds = dataset if dataset is not None else load_split(layout, split)
