@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from eagle3lib.engine import build_kwargs, engine_kwargs
 from eagle3lib.extract import extract_hidden_states
 from eagle3lib.extract_vllm import FinalNorm, check_states, find_final_norm, vllm_support_error
 from eagle3lib.params import ParamsError, load_params
+from test_extract import make_dataset
 from eagle3lib.target import load_target_tensors
 
 pytestmark = pytest.mark.vllm
@@ -34,15 +34,6 @@ def make_params(target_dir, out_dir, backend):
     over = {"target": {"path": str(target_dir), "dtype": "float32"}, "output_dir": str(out_dir),
             "extract": {"backend": backend, "dtype": "float32", "batch_tokens": 256, "shard_tokens": 300}}
     return load_params("params/ci.yaml", overrides=over)
-
-
-def make_dataset(lengths, seed=0, vocab=49152):
-    from datasets import Dataset
-    rng = random.Random(seed)
-    return Dataset.from_dict({
-        "conv_id": [f"c{i}" for i in range(len(lengths))],
-        "input_ids": [[rng.randrange(vocab) for _ in range(n)] for n in lengths],
-        "loss_mask": [[rng.randint(0, 1) for _ in range(n)] for n in lengths]})
 
 
 def shard_bytes(out_dir: Path) -> dict:
