@@ -71,7 +71,10 @@ class TargetParams:
 
 @dataclass
 class DataParams:
-    source: str = "sharegpt"             # "sharegpt" (embedded ShareGPT V3) or a local .json/.jsonl
+    # One source or a list of them (data_sources): "sharegpt" (the embedded ShareGPT V3), a local
+    # .json/.jsonl file (ShareGPT or OpenAI form) or a folder written by `datasets.save_to_disk`;
+    # a list item may be {path: ..., max_records: n} (at most n raw records of that source).
+    source: Any = "sharegpt"
     max_records: Optional[int] = None    # read at most this many raw records (None: all)
     num_train: Optional[int] = None      # training conversations after the split (None: all left)
     num_eval: int = 100                  # held-out conversations, never trained on
@@ -417,8 +420,7 @@ def validate(p: Params) -> Params:
     need(d.regen_num_train is None or d.regenerate, "data.regen_num_train", "needs data.regenerate: true")
     need(d.regen_num_train is None or d.num_train is None or d.regen_num_train <= d.num_train,
          "data.regen_num_train", "must be <= data.num_train")
-    need(d.source == "sharegpt" or d.source.endswith((".json", ".jsonl")), "data.source",
-         f"must be 'sharegpt' or a .json/.jsonl file, got {d.source!r}")
+    data_sources(d.source)   # structure only: whether the files exist is chats.check_sources' job
     need(x.batch_tokens >= d.max_length, "extract.batch_tokens", "must be >= data.max_length")
     need(x.shard_tokens >= 1, "extract.shard_tokens", "must be >= 1")
     need(x.nproc >= 1, "extract.nproc", "must be >= 1")
@@ -499,6 +501,49 @@ def validate(p: Params) -> Params:
         need(t.init_from_layer is None or -n <= t.init_from_layer < n, "train.init_from_layer",
              f"{t.init_from_layer} out of range: the target has {n} layers (valid -{n}..{n - 1})")
     return p
+
+
+SOURCE_KEYS = ("path", "max_records")
+
+
+def data_sources(source: Any, key: str = "data.source") -> list[tuple[str, Optional[int], str]]:
+    """`data.source` as [(path, max_records or None, item)], item naming it in the profile
+    ("data.source" or "data.source[i]"). A plain string is one source without its own cap (the
+    global data.max_records applies); a list holds strings or {path, max_records} mappings.
+    Raises ParamsError naming the item and the fix. Does not look at the disk (chats.check_sources)."""
+    example = "e.g. [sharegpt, {path: /data/chats.jsonl, max_records: 20000}]"
+    if isinstance(source, str):
+        items, single = [source], True
+    elif isinstance(source, list) and source:
+        items, single = source, False
+    else:
+        raise ParamsError(f"{key}: expected 'sharegpt', a path, or a non-empty list of sources ({example}), "
+                          f"got {type(source).__name__} ({source!r})")
+    out = []
+    for i, item in enumerate(items):
+        where = key if single else f"{key}[{i}]"
+        if isinstance(item, str):
+            item = {"path": item}
+        if not isinstance(item, dict):
+            raise ParamsError(f"{where}: expected a path or a mapping {{path, max_records}}, got "
+                              f"{type(item).__name__} ({item!r}) ({example})")
+        unknown = sorted(set(map(str, item)) - set(SOURCE_KEYS))
+        if unknown:
+            raise ParamsError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(SOURCE_KEYS)})")
+        path, cap = item.get("path"), item.get("max_records")
+        if not isinstance(path, str) or not path.strip():
+            raise ParamsError(f"{where}.path: expected 'sharegpt' or a file/folder path, got {path!r}")
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise ParamsError(f"{where}.max_records: expected an int >= 1 or null (all records), got {cap!r}")
+        if Path(path).suffix.lower() not in ("", ".json", ".jsonl") and not resolve_path(path).is_dir():
+            raise ParamsError(f"{where}: {path!r} must be 'sharegpt', a .json/.jsonl file or a folder "
+                              "written by datasets.save_to_disk")
+        out.append((path, cap, where))
+    paths = [p for p, _, _ in out]
+    dup = next((p for p in paths if paths.count(p) > 1), None)
+    if dup is not None:
+        raise ParamsError(f"{key}: {dup!r} is listed twice; list each source once (its max_records caps it)")
+    return out
 
 
 def _check_finite(p: Params) -> None:
