@@ -85,7 +85,8 @@ class DataParams:
     regen_max_new_tokens: int = 512
     regen_temperature: float = 0.0
     regen_max_turns: int = 1             # assistant turns regenerated per chat; later turns dropped
-    regen_batch_size: int = 32
+    regen_batch_size: int = 32           # hf: chats per generate batch; vllm: finished chats per chunk
+                                         # file (every request is in the engine at once)
     regen_num_train: Optional[int] = None  # regenerate only the first N training chats (None: all);
                                          # the rest keep the dataset's answers: off-policy text, but
                                          # its soft labels are still the target's (extraction-only cost)
@@ -191,6 +192,10 @@ class EvalParams:
     # eagle3lib's reference decoder runs the first n held-out prompts (None: all of them). It is
     # single-threaded and exact; on a 2-core CPU it costs minutes per method, vLLM seconds.
     decoder_prompts: Optional[int] = None
+    # Whether eagle3lib's reference decoder runs at all (it loads the whole target in transformers
+    # on one device): auto (skip when the safetensors weights exceed that device's memory) |
+    # always | never. A skip is printed by 05_eval and recorded in metrics.json.
+    reference_decoder: str = "auto"
     dtype: str = "float32"               # eagle3lib reference decoder dtype
     # Skip held-out prompts longer than this many tokens (chat template applied; counted and
     # reported). None: keep all. Long prompts make CPU evaluation slow (prefill) without
@@ -284,6 +289,7 @@ CHOICES = {
     "train.distributed": {"none", "ddp", "fsdp"},
     "train.attention": {"auto", "manual", "merge", "mask", "chunked", "flex"},   # model.ATTENTION_CHOICES
     "eval.vllm_dtype": {"bfloat16", "float16", "float32"},
+    "eval.reference_decoder": {"auto", "always", "never"},
     "eval.dtype": {"bfloat16", "float32"},
 }
 

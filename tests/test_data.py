@@ -375,6 +375,57 @@ def test_regenerate_batch_turn_rules(tok):
     assert results["long"]["status"] == "too_long" and results["long"]["new_tokens"] == 0
 
 
+TURN_RULE_CHATS = [
+    {"id": "two", "messages": [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "x"},
+                               {"role": "user", "content": "u2"}, {"role": "assistant", "content": "y"},
+                               {"role": "user", "content": "u3"}, {"role": "assistant", "content": "z"}]},
+    {"id": "capped", "messages": [{"role": "user", "content": "c1"}, {"role": "assistant", "content": "x"},
+                                  {"role": "user", "content": "c2"}, {"role": "assistant", "content": "y"}]},
+    {"id": "empty1", "messages": [{"role": "user", "content": "e1"}, {"role": "assistant", "content": "x"}]},
+    {"id": "empty2", "messages": [{"role": "user", "content": "f1"}, {"role": "assistant", "content": "x"},
+                                  {"role": "user", "content": "f2"}, {"role": "assistant", "content": "y"}]},
+    {"id": "long", "messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "x"}]},
+]
+TURN_RULE_REPLIES = {"u1": ("A1", 2, False), "u2": ("A2", 2, False), "c1": ("cut off", 9, True),
+                     "e1": ("  \n", 1, False), "f1": ("F1", 1, False), "f2": ("", 0, False)}
+
+
+class FakeStreamingEngine:
+    """A continuously batching engine: requests finish one per poll, newest first (so chats finish
+    out of order), answers scripted by the last user message; records the most requests in flight."""
+
+    def __init__(self, replies):
+        self.replies, self.inflight, self.most_inflight, self.seeds = replies, [], 0, {}
+
+    def submit(self, request_id, conversation, seed):
+        self.inflight.append((request_id, conversation[-1]["content"]))
+        self.most_inflight = max(self.most_inflight, len(self.inflight))
+        self.seeds[conversation[-1]["content"]] = seed
+
+    def busy(self):
+        return bool(self.inflight)
+
+    def poll(self):
+        request_id, last_user = self.inflight.pop()
+        return [(request_id, self.replies[last_user])]
+
+
+def test_streaming_regeneration_equals_the_batched_turn_loop(tok, tmp_path):
+    """run_streaming (the vLLM path): every chat's first turn in flight at once, chunk files written as
+    chats finish, and the same results and per-turn seeds as regenerate_batch."""
+    generate, _ = scripted(TURN_RULE_REPLIES)
+    batched = {r["id"]: r for r in D_regen.regenerate_batch(TURN_RULE_CHATS, generate, tok, max_turns=2,
+                                                            max_length=64, seed=3)}
+    engine = FakeStreamingEngine(TURN_RULE_REPLIES)
+    run = D_regen.run_streaming(TURN_RULE_CHATS, engine, tok, tmp_path, chunk_size=2, max_turns=2,
+                                max_length=64, seed=3, log=lambda line: None)
+    assert engine.most_inflight == 4             # all first turns submitted at once ("long" is too long)
+    assert results_by_id(tmp_path) == batched
+    assert len(list(tmp_path.glob("chunk-*.jsonl"))) == 3   # 5 chats, 2 per chunk
+    assert run["new_tokens"] == sum(r["new_tokens"] for r in batched.values())
+    assert engine.seeds["u2"] == D_regen._seed(3, "two", 1) and engine.seeds["u1"] == D_regen._seed(3, "two", 0)
+
+
 def test_regenerate_hf_resumes(tiny_target_dir, tmp_path):
     # Sampling: the random tiny model's greedy answer is whitespace (it repeats "\n").
     P = tiny_params(tiny_target_dir, tmp_path, regen_max_turns=2, regen_temperature=1.0)
