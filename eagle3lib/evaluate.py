@@ -127,7 +127,7 @@ def skip_reason(mode: str, weight_bytes: Optional[int], device_bytes: Optional[i
     if mode == "always":
         return None
     if mode == "never":
-        return "eval.reference_decoder is 'never'"
+        return "eval.reference_decoder is 'never' (the profile turns eagle3lib's reference decoder off; see its comment)"
     if mode != "auto":
         raise ValueError(f"eval.reference_decoder must be auto, always or never, got {mode!r}")
     if weight_bytes is None or device_bytes is None or weight_bytes <= device_bytes:
