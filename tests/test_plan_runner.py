@@ -132,3 +132,61 @@ def test_runner_executes_writes_html_and_names_the_failing_cell(tmp_path):
     msg = str(err.value)
     assert "01_ngram_baseline.ipynb" in msg and "boom in data" in msg and "cell" in msg
     assert (tmp_path / "out" / "t" / "01_ngram_baseline.html").is_file()
+
+
+def test_b300_plan_counts_the_embedded_sharegpt_and_marks_the_missing_corpus():
+    p = load_params("params/b300.yaml")
+    plan = capacity_plan(p, memory=False)
+    share, own = plan["sources"]
+    assert share["source"] == "sharegpt" and share["basis"] == "measured" and 16_000 < share["chats"] < 17_000
+    assert own["basis"] == "assumed" and "no such file or folder on this machine" in own["problem"] and own["chats"] == 32_328
+    assert plan["chats_basis"] == "measured + assumed"
+    assert plan["train_conversations"] == share["chats"] + own["chats"] - p.data.num_eval
+    text = format_plan(plan)
+    assert "NOT ON THIS MACHINE" in text and f"{share['chats']:,} chats [measured" in text
+    assert "[backend vllm; assumed" in text
+
+
+def test_source_counts_equal_load_chats_and_are_cached(tmp_path, monkeypatch):
+    from eagle3lib import plan as plan_mod
+    from eagle3lib.chats import load_chats
+    a = tmp_path / "a.jsonl"
+    a.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"q{i % 4}"},
+                                                    {"role": "assistant", "content": f"a{i % 4}"}]})
+                           for i in range(6)) + "\n{bad\n")
+    b = tmp_path / "b.jsonl"
+    b.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                                    {"role": "assistant", "content": f"a{i}"}]})
+                           for i in range(2, 9)) + "\n")
+    source = [str(a), {"path": str(b), "max_records": 5}]
+    p = load_params("params/ci.yaml", {"output_dir": str(tmp_path / "out"), "data": {"source": source, "num_eval": 2}})
+    rows = plan_mod.count_sources(p)
+    chats, stats = load_chats(source)
+    assert [r["chats"] for r in rows] == [s["valid"] for s in stats["sources"]] == [4, 3]
+    assert rows[0]["malformed"] == {"invalid_json": 1} and rows[0]["duplicates"] == 2 and rows[1]["duplicates"] == 2
+    assert plan_mod.train_conversations(p, rows) == len(chats) - 2
+    def no_reading(*args):
+        raise AssertionError("read again")
+    monkeypatch.setattr(plan_mod, "_count_one", no_reading)
+    assert plan_mod.count_sources(p) == rows                 # from outputs/source-counts
+    b.write_text(b.read_text() + json.dumps({"messages": [{"role": "user", "content": "new"},
+                                                          {"role": "assistant", "content": "x"}]}) + "\n")
+    with pytest.raises(AssertionError, match="read again"):  # new content: counted again
+        plan_mod.count_sources(p)
+
+
+def test_plan_uses_the_runs_measured_rates_of_the_same_backend(tmp_path):
+    from eagle3lib.params import dump
+    p = load_params("params/ci.yaml", {"output_dir": str(tmp_path)})
+    layout = p.layout()
+    layout.root.mkdir(parents=True)
+    layout.params.write_text(dump(p))
+    layout.metrics.write_text(json.dumps({"extract": {"tokens_per_s": 1234.5},
+                                          "train": {"train_tokens_per_s": 77.0}}))
+    plan = capacity_plan(p, memory=False)
+    assert plan["extract_tokens_per_s"] == 1234.5 and plan["extract_rate_basis"].startswith("measured")
+    assert plan["train_tokens_per_s"] == 77.0 and plan["train_rate_basis"].startswith("measured")
+    assert plan["regen_rate_basis"].startswith("assumed")
+    other = load_params("params/ci.yaml", {"output_dir": str(tmp_path), "extract": {"backend": "vllm"}})
+    plan = capacity_plan(other, memory=False)                 # the run measured the hf backend
+    assert plan["extract_rate_basis"].startswith("assumed") and plan["extract_tokens_per_s"] != 1234.5
