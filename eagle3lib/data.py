@@ -355,7 +355,6 @@ def prepare_data(P, run_dir, progress: bool = True, force: bool = False) -> Data
     d2t, t2d, vocab_stats = _draft_vocab(train_cols, eval_cols, {c["id"] for c in train_in},
                                          vocab_size, d.draft_vocab_size)
     _write_outputs(layout, train_cols, eval_cols, eval_chats, d2t, t2d)
-    read_stats.pop("sources")  # per-source counts: DataStats has no field for them yet (load_chats returns them)
     stats = DataStats(cache_key=key, source=describe_sources(d.source), **read_stats, eval_prompts=len(eval_chats),
                       train_skipped_prompt_too_long=skipped_long,
                       train=SplitStats(**train_stats), eval=SplitStats(**eval_stats), regen=regen,

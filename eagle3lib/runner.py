@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from .chats import check_sources
 from .files import is_strictly_inside, read_json, run_lock, update_metrics
 from .layout import RunLayout
 from .params import Params, ParamsError, check_run_name, dump, load_params, repo_root, resolve_path
@@ -97,6 +98,7 @@ def run_pipeline(params_path: str, only: Optional[str] = None, run_name: Optiona
     if not is_strictly_inside(layout.root, p.outputs_root()):     # guaranteed by check_run_name
         raise ParamsError(f"run_name: {layout.root} resolves outside {p.outputs_root()} (a symlink?); "
                           "use another run name or remove the link")
+    check_sources(p.data.source)                  # a missing data source: refused before any stage
     with run_lock(layout.root, log=log):
         record_run(p, layout, params_file)
         expected = expected_seconds(p, layout)
@@ -115,7 +117,7 @@ def record_run(p: Params, layout: RunLayout, params_file: str) -> None:
 def expected_seconds(p: Params, layout: RunLayout) -> dict:
     """{stage: (seconds, basis)}: this run folder's last wall time of the stage, else the capacity
     plan's hours for regeneration (data), extraction and training; stages with neither are absent."""
-    plan = capacity_plan(p, measured_stats(layout), memory=False)   # hours only: no meta-device run
+    plan = capacity_plan(p, measured_stats(layout), memory=False, layout=layout)   # hours only: no meta-device run
     out = {stage: (plan[key] * 3600, f"capacity plan, throughput {plan['throughput_basis']}")
            for stage, key in (("data", "regen_hours"), ("extract", "extract_hours"), ("train", "train_hours"))}
     if p.train.time_budget_minutes is not None:

@@ -8,7 +8,7 @@ Written by `data.prepare_data` (`DataStats.to_json`), last, as the stage's compl
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
 from .files import read_json
@@ -84,6 +84,7 @@ class DataStats:
     coverage_eval: float
     coverage_curve: dict[str, float]  # str(draft vocabulary size) -> coverage of the train answers
     seconds: float
+    sources: list = field(default_factory=list)   # per data.source item: read, valid, malformed by reason
     cached: bool = False              # not stored: prepare_data returned the stored stats
 
     def to_json(self) -> dict:
@@ -105,7 +106,7 @@ class DataStats:
                    regen=None if d["regen"] is None else RegenStats.from_json(d["regen"]),
                    coverage_train=float(d["coverage_train"]), coverage_eval=float(d["coverage_eval"]),
                    coverage_curve={str(k): float(v) for k, v in d["coverage_curve"].items()},
-                   seconds=float(d["seconds"]))
+                   seconds=float(d["seconds"]), sources=list(d.get("sources", [])))
 
 
 def load_stats(run_dir) -> DataStats:
