@@ -49,7 +49,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.nn.parallel import DistributedDataParallel
 
 from .batches import aux_scale, bucket_batches, collate, fold_aux_scale
@@ -93,13 +93,64 @@ def make_optimizers_for(model: nn.Module, t) -> list:
     return [torch.optim.AdamW([p for _, p in named], lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))]
 
 
-def wrap_model(objective: TTTObjective, mode: str, dist: Dist) -> nn.Module:
+def frozen_dtype(t: TrainParams, device: torch.device) -> torch.dtype:
+    """The dtype the frozen embedding is held in: bf16 on GPU under train.dtype bfloat16 (the target's
+    own values, so exact; halves 4.7 GB at Kimi shapes), else fp32 (on CPU bf16 is emulated on
+    AVX2-only machines, and a bf16 lookup would change the fp32 path's numbers)."""
+    return torch.bfloat16 if device.type == "cuda" and t.dtype == "bfloat16" else torch.float32
+
+
+def mixed_precision(t: TrainParams, device: torch.device) -> MixedPrecisionPolicy:
+    """FSDP2's policy: on GPU with train.dtype bfloat16 the gathered parameters are bf16 and the
+    gradients are reduce-scattered in fp32 (fp32 master weights and optimizer state stay sharded).
+    On CPU / gloo everything stays fp32: emulated bf16 is slow there, gloo reduces fp32 exactly, and
+    the 2-process gloo tests compare against single-process fp32 training."""
+    if device.type == "cuda" and t.dtype == "bfloat16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_objective(objective: TTTObjective, mp: MixedPrecisionPolicy) -> nn.Module:
+    """FSDP2 units for a one-layer drafter with a big embedding and head, each all-gathered only
+    while it computes: the frozen embedding, fc, the decoder layer, the drafter's remaining
+    parameters (final norm + lm_head, and input_norm when present), then the root (the objective).
+
+    TTTObjective does not call these modules' forward everywhere, so FSDP2's pre-forward hooks get
+    explicit entry points (register_fsdp_forward_method, a documented FSDP2 API):
+    - the decoder layer is entered through `attention_input` (then self_attn.qkv / out / finish
+      run on the same gathered weights: reshard_after_forward=False keeps them gathered through
+      all TTT steps). Its backward hooks fire once per TTT step, at attention_input's inputs,
+      while the earlier steps' qkv / out / finish still need the weights, so it does not reshard
+      after backward either: optimizer_step reshards every unit explicitly (reshard_units) once
+      the step's backward passes are done;
+    - the drafter unit is entered through `ttt_hidden`; ttt_loss then reads lm_head.weight
+      directly, so this unit too stays gathered until its backward.
+    The embedding and fc are called as modules and reshard after each call."""
+    drafter = objective.drafter
+    fully_shard(drafter.embed_tokens, mp_policy=mp)
+    fully_shard(drafter.fc, mp_policy=mp)
+    fully_shard(drafter.midlayer, mp_policy=mp, reshard_after_forward=False)
+    register_fsdp_forward_method(drafter.midlayer, "attention_input")
+    drafter.midlayer.set_reshard_after_backward(False, recurse=False)
+    fully_shard(drafter, mp_policy=mp, reshard_after_forward=False)
+    register_fsdp_forward_method(drafter, "ttt_hidden")
+    return fully_shard(objective, mp_policy=mp)
+
+
+def reshard_units(model: nn.Module) -> None:
+    """Free the gathered parameters of every FSDP2 unit (see shard_objective); no-op without FSDP."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def wrap_model(objective: TTTObjective, mode: str, dist: Dist, mp: Optional[MixedPrecisionPolicy] = None) -> nn.Module:
     if dist.world == 1:
         return objective
     if mode == "ddp":
         return DistributedDataParallel(objective)
-    if mode == "fsdp":  # one FSDP unit: the drafter is one layer; params and optimizer state are sharded
-        return fully_shard(objective)
+    if mode == "fsdp":
+        return shard_objective(objective, mp or MixedPrecisionPolicy())
     raise ValueError(mode)
 
 
@@ -295,6 +346,7 @@ def optimizer_step(model: nn.Module, optimizers: list, prepared: list, t, dist: 
             # DDP / FSDP average gradients over ranks; the loss is already the global mean
             (loss * dist.world).backward()
         stats += s.cpu()
+    reshard_units(model)                  # before the optimizer changes the sharded weights
     stats = dist.all_sum(stats)
     loss_value = float(sum((t.decay ** j) * stats[j, 0] / denom[j] for j in range(J)))
     if not math.isfinite(loss_value):
@@ -435,9 +487,10 @@ def setup(P: Params, layout: RunLayout, dist: Dist, device: torch.device) -> Tra
     # noise is in units of s: the batch already holds aux / s when fc_input_scaling is on
     noise_scale = aux_scale(cache) if t.feature_noise > 0 and not t.fc_input_scaling else None
     drafter = build_drafter(P, target_path(P), cache.hidden_size, cache.aux_layers, d2t, t2d, scale).to(device)
+    drafter.embed_tokens.to(frozen_dtype(t, device))
     drafter.configure_training(t.attention, t.activation_checkpointing, device)
     scoring = build_scoring(P, layout, drafter, device, scale=scale, compile=t.compile)
-    model = wrap_model(scoring.objective, t.distributed, dist)
+    model = wrap_model(scoring.objective, t.distributed, dist, mixed_precision(t, device))
     optimizers = make_optimizers_for(model, t)
     usable, per_step, steps_per_epoch, total_steps = schedule(cache, t, P.seed, dist.world)
     fingerprint = cache_fingerprint(cache, eval_cache)
