@@ -12,13 +12,14 @@ Per optimizer step: length-bucketed micro-batches (padded, up to train.batch_tok
 the memory-mapped HiddenCache; the drafter unrolls ttt_steps steps in parallel
 (Eagle3Drafter.ttt_hidden); lr: linear warmup, then cosine to min_lr_ratio.
 
-Checkpoints (safetensors: model + flattened optimizer state; JSON metadata: step, schedule, data
-position, RNG, the training identity) are written atomically (temp folder, then rename);
+Checkpoints (checkpoints.py: one safetensors file for one process, a sharded
+torch.distributed.checkpoint folder under torchrun; metadata: step, schedule, data position, RNG,
+world size, the training identity) are written atomically (temp folder, then rename);
 `train.resume` continues from the newest one and reaches the same weights as an uninterrupted run
 (the data order is a pure function of seed, epoch and step). A checkpoint is resumed only under
 the same training identity: the params that change the math and the fingerprint of the
-hidden-state cache (its manifests, which hold every shard's sha256). Under torchrun,
-`train.distributed` ddp / fsdp give every rank a disjoint slice of each global batch; losses are
+hidden-state cache (its manifests, which hold every shard's sha256). A sharded checkpoint is resumed with the same world size only.
+Under torchrun, `train.distributed` ddp / fsdp give every rank a disjoint slice of each global batch; losses are
 normalised by global counts, so N ranks x 1 micro-batch compute the same update as 1 rank x N
 micro-batches.
 
@@ -44,18 +45,16 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
-from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.nn.parallel import DistributedDataParallel
 
 from .batches import aux_scale, bucket_batches, collate, fold_aux_scale
 from .cache import MANIFEST, HiddenCache, check_cache
+from .checkpoints import (last_good_checkpoint, latest_checkpoint, load_checkpoint, read_checkpoint_meta,
+                          save_checkpoint, save_final)
 from .dist import Dist
-from .files import atomic_dir, atomic_write_json, read_json, remove_tree, run_lock
+from .files import atomic_write_json, read_json, remove_tree, run_lock
 from .layout import RunLayout
 from .memory import check_fits
 from .model import Eagle3Config, Eagle3Drafter
@@ -65,8 +64,6 @@ from .progress import tqdm
 from .target import load_target_layer, load_target_tensors, target_path
 from .vocab import load_vocab
 
-CHECKPOINT_FILE = "checkpoint.safetensors"
-KEEP_CHECKPOINTS = 2
 
 
 # ==== schedule, optimizer =======================================================================
@@ -172,73 +169,6 @@ def no_sync(model: nn.Module, last: bool):
     return contextlib.nullcontext()
 
 
-# ==== checkpoints ==============================================================================
-def _full_state(model: nn.Module, optimizers: list) -> tuple[dict, dict]:
-    """(model state, optimizer state {"state": {fqn: {key: tensor}}, "param_groups": [...]}),
-    full tensors on CPU (gathered under FSDP), keyed by parameter names."""
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizers, options=opts)
-
-
-def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizers: list, meta: dict, dist: Dist) -> Optional[Path]:
-    """checkpoints/step-XXXXXX/checkpoint.safetensors, written in a temp folder and renamed.
-    Tensors: model.<name>, optim.<param name>.<state key> (e.g. exp_avg, step), rng.torch;
-    metadata["eagle3lab"]: JSON with the step, data position, history and optimizer param_groups."""
-    model_sd, optim_sd = _full_state(model, optimizers)
-    if dist.rank != 0:
-        return None
-    tensors = {f"model.{k}": v.contiguous() for k, v in model_sd.items()}
-    for name, state in optim_sd["state"].items():
-        for key, value in state.items():
-            tensors[f"optim.{name}.{key}"] = torch.as_tensor(value).contiguous()
-    tensors["rng.torch"] = torch.get_rng_state()
-    meta = {**meta, "step": step, "param_groups": optim_sd["param_groups"]}
-    final = ckpt_root / f"step-{step:06d}"
-    with atomic_dir(final) as tmp:
-        save_file(tensors, str(tmp / CHECKPOINT_FILE), metadata={"eagle3lab": json.dumps(meta, default=str)})
-    for old in sorted(ckpt_root.glob("step-*"))[:-KEEP_CHECKPOINTS]:
-        remove_tree(old, under=ckpt_root, ignore_errors=True)
-    for stale in ckpt_root.glob(".step-*"):             # temp folders of killed runs (atomic_dir)
-        remove_tree(stale, under=ckpt_root, ignore_errors=True)
-    return final
-
-
-def latest_checkpoint(ckpt_root: Path) -> Optional[Path]:
-    done = sorted(p for p in ckpt_root.glob("step-*") if (p / CHECKPOINT_FILE).is_file())
-    return done[-1] if done else None
-
-
-def load_checkpoint(path: Path, model: nn.Module, optimizers: list) -> dict:
-    """Restore model, optimizer and RNG from a checkpoint folder; returns its metadata."""
-    with safe_open(str(path / CHECKPOINT_FILE), framework="pt") as f:
-        meta = json.loads(f.metadata()["eagle3lab"])
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    model_sd = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
-    state: dict = {}
-    for k, v in tensors.items():
-        if k.startswith("optim."):
-            name, key = k[len("optim."):].rsplit(".", 1)
-            state.setdefault(name, {})[key] = v
-    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in meta["param_groups"]]
-    opts = StateDictOptions(full_state_dict=True, strict=False)
-    set_model_state_dict(model, model_sd, options=opts)
-    set_optimizer_state_dict(model, optimizers, {"state": state, "param_groups": groups}, options=opts)
-    torch.set_rng_state(tensors["rng.torch"])
-    return meta
-
-
-def save_final(out_dir: Path, drafter_state: dict, config: Eagle3Config, extra: dict) -> None:
-    """final/: model.safetensors (vLLM parameter names, without the frozen embed_tokens) and
-    config.json = asdict(Eagle3Config); written in a temp folder, then renamed."""
-    state = {k: v.detach().cpu().contiguous() for k, v in drafter_state.items() if not k.startswith("embed_tokens")}
-    with atomic_dir(out_dir) as tmp:
-        save_file(state, str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
-        (tmp / "training.json").write_text(json.dumps(extra, indent=2, default=str) + "\n")
-
-
-
-
 # ==== what a resumption must match ==============================================================
 # Train fields that may change between a run and its resumption (they do not change the math).
 RESUMABLE_CHANGES = {"resume", "time_budget_minutes", "checkpoint_every", "eval_sequences", "tracking",
@@ -316,15 +246,6 @@ class DivergenceGuard:
             else:
                 self.streaks[kind] = 0
         return None
-
-
-def last_good_checkpoint(ckpt_root: Path, first_bad_step: int) -> Optional[Path]:
-    """The newest kept checkpoint older than the first bad step's weights. Checkpoint step-k holds
-    the weights after k updates, which step k+1's loss is computed with: the first bad step s was
-    computed with step-(s-1), so the good ones are step-k with k < s - 1."""
-    good = [p for p in ckpt_root.glob("step-*")
-            if (p / CHECKPOINT_FILE).is_file() and int(p.name.split("-")[1]) < first_bad_step - 1]
-    return max(good, default=None)
 
 
 # ==== one optimizer step, the drafter ==========================================================
@@ -513,8 +434,12 @@ def resume(run: TrainRun) -> None:
     run.dist.barrier()
     if ckpt is None:
         return
-    meta = load_checkpoint(ckpt, run.model, run.optimizers)
+    meta = read_checkpoint_meta(ckpt)
     start_over = "set train.resume: false to start over, or use another run name"
+    if meta["world_size"] != run.dist.world:
+        raise RuntimeError(f"{ckpt} was written by {meta['world_size']} process(es), this run has "
+                           f"{run.dist.world}: its shards are laid out for that world size; resume with "
+                           f"train.nproc: {meta['world_size']}, or {start_over}")
     if meta["total_steps"] != run.total_steps or meta["world_batch"] != run.per_step:
         raise RuntimeError(f"{ckpt} was made with another schedule ({meta['total_steps']} steps, "
                            f"{meta['world_batch']} micro-batches/step; now {run.total_steps}, {run.per_step}); "
@@ -527,6 +452,7 @@ def resume(run: TrainRun) -> None:
     if meta["identity"] != run.identity:
         raise RuntimeError(f"{ckpt} was made with other train/data params (only "
                            f"{sorted(RESUMABLE_CHANGES)} may change between resumptions); {start_over}")
+    load_checkpoint(ckpt, run.model, run.optimizers, run.dist)
     run.step, run.history = meta["step"], meta.get("history", [])
 
 

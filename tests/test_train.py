@@ -474,7 +474,7 @@ def test_divergence_guard_criteria_need_consecutive_steps():
 
 
 def test_last_good_checkpoint_is_older_than_the_first_bad_step(tmp_path):
-    from eagle3lib.train import CHECKPOINT_FILE, last_good_checkpoint
+    from eagle3lib.checkpoints import CHECKPOINT_FILE, last_good_checkpoint
     for k in (4, 6, 8):
         (tmp_path / f"step-{k:06d}").mkdir()
         (tmp_path / f"step-{k:06d}" / CHECKPOINT_FILE).write_bytes(b"x")
