@@ -9,8 +9,9 @@ global batch, checkpoints, held-out evaluation, the divergence guard) -> finish 
 summary).
 
 Per optimizer step: length-bucketed micro-batches (padded, up to train.batch_tokens tokens) from
-the memory-mapped HiddenCache; the drafter unrolls ttt_steps steps in parallel
-(Eagle3Drafter.ttt_hidden); lr: linear warmup, then cosine to min_lr_ratio.
+the memory-mapped HiddenCache, read and padded ahead of the step by a DataLoader (train.num_workers
+worker processes, pinned memory on CUDA; batches.micro_batch_loader); the drafter unrolls
+ttt_steps steps in parallel (Eagle3Drafter.ttt_hidden); lr: linear warmup, then cosine to min_lr_ratio.
 
 Checkpoints (checkpoints.py: one safetensors file for one process, a sharded
 torch.distributed.checkpoint folder under torchrun; metadata: step, schedule, data position, RNG,
@@ -18,10 +19,11 @@ world size, the training identity) are written atomically (temp folder, then ren
 `train.resume` continues from the newest one and reaches the same weights as an uninterrupted run
 (the data order is a pure function of seed, epoch and step). A checkpoint is resumed only under
 the same training identity: the params that change the math and the fingerprint of the
-hidden-state cache (its manifests, which hold every shard's sha256). A sharded checkpoint is resumed with the same world size only.
-Under torchrun, `train.distributed` ddp / fsdp give every rank a disjoint slice of each global batch; losses are
-normalised by global counts, so N ranks x 1 micro-batch compute the same update as 1 rank x N
-micro-batches.
+hidden-state cache (its manifests, which hold every shard's sha256), and with the same world
+size. Under torchrun, `train.distributed` ddp / fsdp give every rank a disjoint slice of each
+global batch; losses are normalised by global counts, so N ranks x 1 micro-batch compute the same
+update as 1 rank x N micro-batches. FSDP2 shards the drafter unit by unit (shard_objective): bf16 compute and fp32
+gradient reduction on GPU (MixedPrecisionPolicy), fp32 on CPU.
 
 Speed on CPU (bench/train.py): `train.dtype: bfloat16` (autocast, fp32 master weights) is faster
 than float32 only where the CPU computes bf16 natively (AVX512-BF16 / AMX); on an AVX2-only CPU bf16
@@ -41,7 +43,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -49,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.nn.parallel import DistributedDataParallel
 
-from .batches import aux_scale, bucket_batches, collate, fold_aux_scale
+from .batches import Schedule, aux_scale, bucket_batches, fold_aux_scale, micro_batch_loader
 from .cache import MANIFEST, HiddenCache, check_cache
 from .checkpoints import (last_good_checkpoint, latest_checkpoint, load_checkpoint, read_checkpoint_meta,
                           save_checkpoint, save_final)
@@ -172,7 +174,7 @@ def no_sync(model: nn.Module, last: bool):
 # ==== what a resumption must match ==============================================================
 # Train fields that may change between a run and its resumption (they do not change the math).
 RESUMABLE_CHANGES = {"resume", "time_budget_minutes", "checkpoint_every", "eval_sequences", "tracking",
-                     "compile", "max_steps", "epochs", "nproc", "distributed",
+                     "compile", "max_steps", "epochs", "nproc", "distributed", "num_workers",
                      "diverge_steps", "diverge_uniform_rtol", "diverge_loss_rise", "diverge_grad_norm",
                      "attention", "activation_checkpointing"}     # same function, other cost
 
@@ -361,7 +363,7 @@ class TrainRun:
     fingerprint: str                      # cache_fingerprint
     step: int = 0                         # optimizer steps done
     history: list = field(default_factory=list)
-    eval_batches: list = field(default_factory=list)
+    eval_batches: object = field(default_factory=list)   # objective.HeldOutBatches (empty: no eval cache)
 
     @property
     def config(self) -> Eagle3Config:
@@ -456,19 +458,13 @@ def resume(run: TrainRun) -> None:
     run.step, run.history = meta["step"], meta.get("history", [])
 
 
-def train_step(run: TrainRun, epoch_batches: dict) -> tuple[dict, float]:
-    """One optimizer step on global batch run.step -> (record, global real tokens). epoch_batches
-    caches the current epoch's micro-batches ({epoch: list})."""
+def train_step(run: TrainRun, batches: Iterator[dict]) -> tuple[dict, float]:
+    """One optimizer step on global batch run.step -> (record, global real tokens). batches: this
+    rank's collated micro-batches from run.step on (loader), grad_accum of them per step."""
     P, t, dist = run.P, run.P.train, run.dist
-    epoch, pos = divmod(run.step, run.steps_per_epoch)
-    if epoch not in epoch_batches:
-        epoch_batches.clear()
-        epoch_batches[epoch] = bucket_batches(run.lengths, t.batch_tokens, P.seed, epoch)
-    global_mbs = epoch_batches[epoch][pos * run.per_step:(pos + 1) * run.per_step]
-    mine = global_mbs[dist.rank::dist.world]                       # disjoint slice per rank
-    prepared = [prepare_batch(collate([run.cache.get(run.usable[k]) for k in mb], t.batch_tokens),
-                              run.scoring.head, t.ttt_steps, run.device, run.scoring.scale, exact_top1=False,
-                              all_positions=t.label_positions == "all") for mb in mine]
+    mine = [next(batches) for _ in range(run.per_step // dist.world)]  # a disjoint slice per rank
+    prepared = [prepare_batch(batch, run.scoring.head, t.ttt_steps, run.device, run.scoring.scale,
+                              exact_top1=False, all_positions=t.label_positions == "all") for batch in mine]
     if t.feature_noise > 0:                                        # after the labels: they stay exact
         prepared = [add_feature_noise(b, t.feature_noise, run.noise_scale,
                                       P.seed * 1009 + dist.rank * 101 + i, run.step)
@@ -484,6 +480,16 @@ def train_step(run: TrainRun, epoch_batches: dict) -> tuple[dict, float]:
     n = stats[:, 2].clamp(min=1)
     return {"step": run.step, "lr": lr, "loss": loss_value, "grad_norm": grad_norm,
             "step_loss": (stats[:, 0] / n).tolist(), "step_acc": (stats[:, 1] / n).tolist()}, tokens
+
+
+def loader(run: TrainRun):
+    """This rank's micro-batches from run.step to the end (batches.micro_batch_loader): the same
+    order as an uninterrupted run; train.num_workers worker processes, pinned memory on CUDA."""
+    t = run.P.train
+    plan = Schedule(tuple(run.lengths), t.batch_tokens, run.P.seed, run.per_step, run.steps_per_epoch,
+                    run.total_steps)
+    return micro_batch_loader(run.cache, run.usable, plan, run.dist.rank, run.dist.world, run.step,
+                              t.num_workers, pin_memory=run.device.type == "cuda")
 
 
 def stop_if_diverged(run: TrainRun, guard: DivergenceGuard, record: dict) -> None:
@@ -536,10 +542,10 @@ def loop(run: TrainRun, progress: bool, callback: Optional[Callable]) -> tuple[s
     guard = DivergenceGuard(t, run.config.draft_vocab_size)
     bar = tqdm(total=run.total_steps, initial=run.step, desc="train", disable=not (progress and rank0))
     t0, tokens_seen, stopped_by = time.time(), 0.0, "steps"
-    epoch_batches: dict = {}
+    batches = iter(loader(run))
     run.model.train()
     while run.step < run.total_steps:
-        record, tokens = train_step(run, epoch_batches)
+        record, tokens = train_step(run, batches)
         tokens_seen += tokens
         record["tokens_per_s"] = tokens_seen / max(1e-9, time.time() - t0)
         stop_if_diverged(run, guard, record)

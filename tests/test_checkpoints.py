@@ -11,6 +11,7 @@ import random
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -206,20 +207,50 @@ def test_resume_after_sigkill_during_a_checkpoint_write(tmp_path, sharp_target_d
 
 
 # ---- sharded checkpoints: 2 FSDP2 processes -------------------------------------------------------
+def descendants(pid: int) -> list:
+    """The process ids below `pid` (from /proc): torchrun starts its workers in their own sessions,
+    so killing torchrun's process group would leave them running."""
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue                                             # the process ended meanwhile
+        parent[int(stat.parent.name)] = int(fields[1])
+    out, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, pp in parent.items() if pp in frontier]
+        out, frontier = out + kids, kids
+    return out
+
+
+def is_running(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
 def kill_torchrun_after(params_path, checkpoint: str, delay: float) -> int:
-    """Start 2-process training under torchrun in its own process group and SIGKILL the whole group
+    """Start 2-process training under torchrun and SIGKILL torchrun and every process below it
     `delay` seconds after checkpoints/<checkpoint> appears; returns torchrun's exit status."""
     ckpts = load_params(params_path).run_dir() / "train" / "checkpoints"
     cmd = torchrun_command(params_path, None, 2) + ["--no-progress"]
-    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while not (ckpts / checkpoint).is_dir() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     assert proc.poll() is None, f"training ended before {checkpoint}: {proc.stderr.read()[-3000:]}"
     time.sleep(delay)
-    os.killpg(proc.pid, signal.SIGKILL)
+    workers = descendants(proc.pid)
+    assert len(workers) >= 2, workers
+    for pid in workers + [proc.pid]:
+        os.kill(pid, signal.SIGKILL)
     proc.wait(timeout=60)
+    for pid in workers:                                          # dead before the resume starts
+        while is_running(pid):
+            time.sleep(0.05)
     return proc.returncode
 
 
@@ -231,9 +262,9 @@ def test_two_process_fsdp_sharded_checkpoint_resume_after_kill_reaches_the_unint
     2-process run's final weights bit for bit: both runs do the same fp32 gloo reductions in the
     same order, and the resumed one restores every rank's parameter and optimizer shards exactly.
     A resume with another world size is refused, naming the checkpoint.
-    Planted faults shown caught: (a) _load_sharded not calling set_state_dict (weights differ),
-    (b) _save_sharded writing straight into step-XXXXXX (no atomic_dir): the killed run leaves
-    a half-written newest folder that the resume fails to load or that differs."""
+    Planted fault shown caught: _load_sharded loading only the model shards (the optimizer state
+    left fresh): fc.weight differs. (Killing only torchrun's process group does not stop its
+    workers, which finished the run: the kill targets every process below torchrun.)"""
     overrides = {"max_steps": MAX_STEPS, "resume": True, "grad_accum": 1, "distributed": "fsdp", "nproc": 2}
     full = make_run(tmp_path / "full", sharp_target_dir, overrides)
     run_script(full, nproc=2)
