@@ -1,5 +1,6 @@
 """Training checkpoints: a direct save -> load round trip (model, optimizer state, RNG) and resume
-after a SIGKILL at a random moment of the training loop and in the middle of a checkpoint write.
+after a SIGKILL at a random moment of the training loop and in the middle of a checkpoint write;
+and 2 FSDP2 processes with sharded (torch.distributed.checkpoint) checkpoints killed and resumed.
 
 The trainer runs on the tiny synthetic run of test_train.py (make_run, run_script and the
 sharp_target_dir fixture come from there)."""
