@@ -1,16 +1,22 @@
-"""Feeding the trainer from the hidden-state cache: length-bucketed micro-batches, padding, and the
-per-dimension scale of the aux states (train.fc_input_scaling) with its folding into fc.
+"""Feeding the trainer from the hidden-state cache: length-bucketed micro-batches, padding, the
+DataLoader that reads and collates them ahead of the step, and the per-dimension scale of the aux
+states (train.fc_input_scaling) with its folding into fc.
 
     for mb in bucket_batches(cache.lengths, batch_tokens, seed, epoch):   # lists of sequence indices
         batch = collate([cache.get(i) for i in mb], batch_tokens)         # padded tensors, see collate
+    loader = micro_batch_loader(cache, usable, schedule, rank, world, start_step, workers, pin)
+    batch = next(iter(loader))        # this rank's next micro-batch, collated (in a worker process)
     s = aux_scale(cache)                                                  # [3, H]; fc trains on aux / s
     final_state = fold_aux_scale(trained_state, s)                        # the same function on raw aux
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from functools import partial
+from typing import Iterator, Optional
 
 import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 
 def bucket_batches(lengths: list, batch_tokens: int, seed: int, epoch: int) -> list:
@@ -50,6 +56,66 @@ def collate(items: list, max_len: int) -> dict:
         aux[k, :n] = it["aux"][:n]
         final[k, :n] = it["final"][:n]
     return {"input_ids": ids, "loss_mask": mask, "aux": aux, "final": final, "lengths": torch.tensor(lengths)}
+
+
+# ==== the input pipeline ========================================================================
+@dataclass(frozen=True)
+class Schedule:
+    """What fixes the order of the micro-batches: the usable sequences' lengths, the token budget,
+    the seed, micro-batches per optimizer step (ranks x grad_accum), steps per epoch and in total."""
+    lengths: tuple
+    batch_tokens: int
+    seed: int
+    per_step: int
+    steps_per_epoch: int
+    total_steps: int
+
+
+class CacheSequences(Dataset):
+    """Item k = the k-th usable sequence of a HiddenCache (cache.get(usable[k]))."""
+
+    def __init__(self, cache, usable: list):
+        self.cache, self.usable = cache, usable
+
+    def __len__(self) -> int:
+        return len(self.usable)
+
+    def __getitem__(self, k: int) -> dict:
+        return self.cache.get(self.usable[k])
+
+
+class StepSampler(Sampler):
+    """This rank's micro-batches (lists of CacheSequences indices) from optimizer step `start` to
+    the end of the schedule, grad_accum per step: step s of epoch e = s // steps_per_epoch takes
+    micro-batches [pos * per_step, (pos + 1) * per_step) of bucket_batches(lengths, batch_tokens,
+    seed, e), and rank r of `world` the r-th, (r + world)-th, ... of them. A pure function of
+    (seed, epoch, step), so a resumed run reads exactly what the interrupted one would have."""
+
+    def __init__(self, schedule: Schedule, rank: int, world: int, start: int):
+        self.s, self.rank, self.world, self.start = schedule, rank, world, start
+
+    def __len__(self) -> int:
+        return (self.s.total_steps - self.start) * (self.s.per_step // self.world)
+
+    def __iter__(self) -> Iterator[list]:
+        s, epoch, order = self.s, None, []
+        for step in range(self.start, s.total_steps):
+            if step // s.steps_per_epoch != epoch:
+                epoch = step // s.steps_per_epoch
+                order = bucket_batches(list(s.lengths), s.batch_tokens, s.seed, epoch)
+            pos = step % s.steps_per_epoch
+            yield from order[pos * s.per_step:(pos + 1) * s.per_step][self.rank::self.world]
+
+
+def micro_batch_loader(cache, usable: list, schedule: Schedule, rank: int, world: int, start: int,
+                       workers: int = 0, pin_memory: bool = False) -> DataLoader:
+    """A DataLoader of this rank's collated micro-batches (see collate) from step `start` on:
+    `workers` processes read the memory-mapped cache and pad ahead of the step (prefetch_factor 2
+    batches each); pin_memory (CUDA) lets the host-to-device copies run asynchronously."""
+    return DataLoader(CacheSequences(cache, usable), batch_sampler=StepSampler(schedule, rank, world, start),
+                      collate_fn=partial(collate, max_len=schedule.batch_tokens), num_workers=workers,
+                      pin_memory=pin_memory, prefetch_factor=2 if workers > 0 else None,
+                      persistent_workers=False)
 
 
 def aux_scale(cache, max_tokens: int = 16384) -> torch.Tensor:

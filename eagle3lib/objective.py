@@ -265,8 +265,9 @@ def replay_chain(u: torch.Tensor, correct: torch.Tensor, k: int,
 def prepare_batch(batch: dict, head: TargetHead, ttt_steps: int, device,
                   scale: Optional[torch.Tensor] = None, exact_top1: bool = True,
                   all_positions: bool = False) -> dict:
-    """Add the labels (target_p, target_top at the label positions) and the per-step counts.
-    scale [3, H] (see aux_scale): the batch's aux is divided by it (fp32), see
+    """Add the labels (target_p, target_top at the label positions, on the head's device) and the
+    per-step counts; input_ids and aux go to `device` (asynchronously from pinned memory).
+    scale [3, H] (see aux_scale): aux is divided by it (fp32) on `device`, see
     TrainParams.fc_input_scaling.
     exact_top1: see TargetHead.labels.
     all_positions: label every real token, not only assistant ones (TrainParams.label_positions)."""
@@ -275,8 +276,10 @@ def prepare_batch(batch: dict, head: TargetHead, ttt_steps: int, device,
         mask = torch.arange(mask.shape[1])[None, :] < batch["lengths"][:, None]
     b, u = target_positions(mask)
     p, top = head.labels(batch["final"][b, u], exact_top1=exact_top1)
-    aux = batch["aux"] if scale is None else batch["aux"].float() / scale
-    out = {"input_ids": batch["input_ids"].to(device), "aux": aux.to(device),
+    aux = batch["aux"].to(device, non_blocking=True)                           # [B, T, 3, H] cache dtype
+    if scale is not None:
+        aux = aux.float() / scale.to(aux.device)
+    out = {"input_ids": batch["input_ids"].to(device, non_blocking=True), "aux": aux,
            "tgt_b": b.to(device), "tgt_u": u.to(device), "target_p": p, "target_top": top}
     out["counts"] = step_counts(u, ttt_steps)                                 # [J] (cpu)
     out["tokens"] = float(batch["lengths"].sum())
@@ -325,16 +328,34 @@ def evaluate(model: nn.Module, batches: list, ttt_steps: int, amp, max_answer_to
             "positions": stats[:, 2].tolist()}
 
 
+class HeldOutBatches:
+    """Prepared held-out batches kept on the CPU; iterating moves one batch at a time to `device`
+    (at Kimi shapes the whole set in fp32 is ~100 GB: it must not sit on every GPU)."""
+
+    def __init__(self, batches: list, device):
+        self.batches, self.device = batches, torch.device(device)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        for batch in self.batches:
+            yield {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
 def heldout_batches(eval_cache, sequences: int, head: TargetHead, ttt_steps: int, batch_tokens: int, device,
-                    scale: Optional[torch.Tensor] = None) -> list:
+                    scale: Optional[torch.Tensor] = None) -> HeldOutBatches:
     """The first `sequences` held-out cache items (of >= 3 tokens) as prepared batches with exact
-    full-vocabulary top-1 labels, in a fixed order."""
+    full-vocabulary top-1 labels, in a fixed order; held on the CPU, moved to `device` one at a time
+    (labels are computed with the head on its device, then brought back)."""
     idx = [i for i in range(min(sequences, len(eval_cache))) if eval_cache.lengths[i] >= 3]
+    cpu = torch.device("cpu")
     batches = []
     for chunk in bucket_batches([eval_cache.lengths[i] for i in idx], batch_tokens, 0, 0):
         items = [eval_cache.get(idx[k]) for k in sorted(chunk)]
-        batches.append(prepare_batch(collate(items, batch_tokens), head, ttt_steps, device, scale))
-    return batches
+        prepared = prepare_batch(collate(items, batch_tokens), head, ttt_steps, device, scale)
+        batches.append({k: v.to(cpu) if torch.is_tensor(v) else v for k, v in prepared.items()})
+    return HeldOutBatches(batches, device)
 
 
 # ==== one run's scoring: what train() and the bench scripts share ============================
@@ -357,8 +378,9 @@ class Scoring:
     amp: Callable
     scale: Optional[torch.Tensor]
 
-    def heldout(self, cache, sequences: int, batch_tokens: int, device) -> list:
-        """The first `sequences` items of a cache as prepared batches (exact labels), see heldout_batches."""
+    def heldout(self, cache, sequences: int, batch_tokens: int, device) -> HeldOutBatches:
+        """The first `sequences` items of a cache as prepared batches (exact labels) on the CPU,
+        moved to `device` one at a time; see heldout_batches."""
         return heldout_batches(cache, sequences, self.head, self.objective.ttt_steps, batch_tokens, device,
                                self.scale)
 

@@ -159,6 +159,9 @@ class TrainParams:
     tracking: str = "none"               # none | tensorboard
     distributed: str = "none"            # none | ddp | fsdp
     nproc: int = 1
+    # DataLoader worker processes that read and pad the micro-batches ahead of the step (0: in the
+    # training process). On the 2-core CPU box workers compete with the step for the cores.
+    num_workers: int = 0
     # Memory of one training GPU in GB (1e9 bytes); None: no check. When set, a profile whose
     # step would not fit with 20% headroom (memory.check_fits, the memory model) is refused.
     gpu_memory_gb: Optional[float] = None
@@ -453,6 +456,7 @@ def validate(p: Params) -> Params:
     need(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
     need(t.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
     need(t.nproc >= 1, "train.nproc", "must be >= 1")
+    need(t.num_workers >= 0, "train.num_workers", "must be >= 0 (0: read batches in the training process)")
     need(t.gpu_memory_gb is None or t.gpu_memory_gb > 0, "train.gpu_memory_gb", "must be > 0 (or null: no check)")
     need(t.eval_sequences >= 1, "train.eval_sequences", "must be >= 1")
     need(t.diverge_steps >= 0, "train.diverge_steps", "must be >= 0 (0: no divergence guard)")

@@ -9,18 +9,21 @@ global batch, checkpoints, held-out evaluation, the divergence guard) -> finish 
 summary).
 
 Per optimizer step: length-bucketed micro-batches (padded, up to train.batch_tokens tokens) from
-the memory-mapped HiddenCache; the drafter unrolls ttt_steps steps in parallel
-(Eagle3Drafter.ttt_hidden); lr: linear warmup, then cosine to min_lr_ratio.
+the memory-mapped HiddenCache, read and padded ahead of the step by a DataLoader (train.num_workers
+worker processes, pinned memory on CUDA; batches.micro_batch_loader); the drafter unrolls
+ttt_steps steps in parallel (Eagle3Drafter.ttt_hidden); lr: linear warmup, then cosine to min_lr_ratio.
 
-Checkpoints (safetensors: model + flattened optimizer state; JSON metadata: step, schedule, data
-position, RNG, the training identity) are written atomically (temp folder, then rename);
+Checkpoints (checkpoints.py: one safetensors file for one process, a sharded
+torch.distributed.checkpoint folder under torchrun; metadata: step, schedule, data position, RNG,
+world size, the training identity) are written atomically (temp folder, then rename);
 `train.resume` continues from the newest one and reaches the same weights as an uninterrupted run
 (the data order is a pure function of seed, epoch and step). A checkpoint is resumed only under
 the same training identity: the params that change the math and the fingerprint of the
-hidden-state cache (its manifests, which hold every shard's sha256). Under torchrun,
-`train.distributed` ddp / fsdp give every rank a disjoint slice of each global batch; losses are
-normalised by global counts, so N ranks x 1 micro-batch compute the same update as 1 rank x N
-micro-batches.
+hidden-state cache (its manifests, which hold every shard's sha256), and with the same world
+size. Under torchrun, `train.distributed` ddp / fsdp give every rank a disjoint slice of each
+global batch; losses are normalised by global counts, so N ranks x 1 micro-batch compute the same
+update as 1 rank x N micro-batches. FSDP2 shards the drafter unit by unit (shard_objective): bf16 compute and fp32
+gradient reduction on GPU (MixedPrecisionPolicy), fp32 on CPU.
 
 Speed on CPU (bench/train.py): `train.dtype: bfloat16` (autocast, fp32 master weights) is faster
 than float32 only where the CPU computes bf16 natively (AVX512-BF16 / AMX); on an AVX2-only CPU bf16
@@ -40,22 +43,20 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
-from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.nn.parallel import DistributedDataParallel
 
-from .batches import aux_scale, bucket_batches, collate, fold_aux_scale
+from .batches import Schedule, aux_scale, bucket_batches, fold_aux_scale, micro_batch_loader
 from .cache import MANIFEST, HiddenCache, check_cache
+from .checkpoints import (last_good_checkpoint, latest_checkpoint, load_checkpoint, read_checkpoint_meta,
+                          save_checkpoint, save_final)
 from .dist import Dist
-from .files import atomic_dir, atomic_write_json, read_json, remove_tree, run_lock
+from .files import atomic_write_json, read_json, remove_tree, run_lock
 from .layout import RunLayout
 from .memory import check_fits
 from .model import Eagle3Config, Eagle3Drafter
@@ -65,8 +66,6 @@ from .progress import tqdm
 from .target import load_target_layer, load_target_tensors, target_path
 from .vocab import load_vocab
 
-CHECKPOINT_FILE = "checkpoint.safetensors"
-KEEP_CHECKPOINTS = 2
 
 
 # ==== schedule, optimizer =======================================================================
@@ -93,13 +92,64 @@ def make_optimizers_for(model: nn.Module, t) -> list:
     return [torch.optim.AdamW([p for _, p in named], lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))]
 
 
-def wrap_model(objective: TTTObjective, mode: str, dist: Dist) -> nn.Module:
+def frozen_dtype(t: TrainParams, device: torch.device) -> torch.dtype:
+    """The dtype the frozen embedding is held in: bf16 on GPU under train.dtype bfloat16 (the target's
+    own values, so exact; halves 4.7 GB at Kimi shapes), else fp32 (on CPU bf16 is emulated on
+    AVX2-only machines, and a bf16 lookup would change the fp32 path's numbers)."""
+    return torch.bfloat16 if device.type == "cuda" and t.dtype == "bfloat16" else torch.float32
+
+
+def mixed_precision(t: TrainParams, device: torch.device) -> MixedPrecisionPolicy:
+    """FSDP2's policy: on GPU with train.dtype bfloat16 the gathered parameters are bf16 and the
+    gradients are reduce-scattered in fp32 (fp32 master weights and optimizer state stay sharded).
+    On CPU / gloo everything stays fp32: emulated bf16 is slow there, gloo reduces fp32 exactly, and
+    the 2-process gloo tests compare against single-process fp32 training."""
+    if device.type == "cuda" and t.dtype == "bfloat16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_objective(objective: TTTObjective, mp: MixedPrecisionPolicy) -> nn.Module:
+    """FSDP2 units for a one-layer drafter with a big embedding and head, each all-gathered only
+    while it computes: the frozen embedding, fc, the decoder layer, the drafter's remaining
+    parameters (final norm + lm_head, and input_norm when present), then the root (the objective).
+
+    TTTObjective does not call these modules' forward everywhere, so FSDP2's pre-forward hooks get
+    explicit entry points (register_fsdp_forward_method, a documented FSDP2 API):
+    - the decoder layer is entered through `attention_input` (then self_attn.qkv / out / finish
+      run on the same gathered weights: reshard_after_forward=False keeps them gathered through
+      all TTT steps). Its backward hooks fire once per TTT step, at attention_input's inputs,
+      while the earlier steps' qkv / out / finish still need the weights, so it does not reshard
+      after backward either: optimizer_step reshards every unit explicitly (reshard_units) once
+      the step's backward passes are done;
+    - the drafter unit is entered through `ttt_hidden`; ttt_loss then reads lm_head.weight
+      directly, so this unit too stays gathered until its backward.
+    The embedding and fc are called as modules and reshard after each call."""
+    drafter = objective.drafter
+    fully_shard(drafter.embed_tokens, mp_policy=mp)
+    fully_shard(drafter.fc, mp_policy=mp)
+    fully_shard(drafter.midlayer, mp_policy=mp, reshard_after_forward=False)
+    register_fsdp_forward_method(drafter.midlayer, "attention_input")
+    drafter.midlayer.set_reshard_after_backward(False, recurse=False)
+    fully_shard(drafter, mp_policy=mp, reshard_after_forward=False)
+    register_fsdp_forward_method(drafter, "ttt_hidden")
+    return fully_shard(objective, mp_policy=mp)
+
+
+def reshard_units(model: nn.Module) -> None:
+    """Free the gathered parameters of every FSDP2 unit (see shard_objective); no-op without FSDP."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def wrap_model(objective: TTTObjective, mode: str, dist: Dist, mp: Optional[MixedPrecisionPolicy] = None) -> nn.Module:
     if dist.world == 1:
         return objective
     if mode == "ddp":
         return DistributedDataParallel(objective)
-    if mode == "fsdp":  # one FSDP unit: the drafter is one layer; params and optimizer state are sharded
-        return fully_shard(objective)
+    if mode == "fsdp":
+        return shard_objective(objective, mp or MixedPrecisionPolicy())
     raise ValueError(mode)
 
 
@@ -121,77 +171,10 @@ def no_sync(model: nn.Module, last: bool):
     return contextlib.nullcontext()
 
 
-# ==== checkpoints ==============================================================================
-def _full_state(model: nn.Module, optimizers: list) -> tuple[dict, dict]:
-    """(model state, optimizer state {"state": {fqn: {key: tensor}}, "param_groups": [...]}),
-    full tensors on CPU (gathered under FSDP), keyed by parameter names."""
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizers, options=opts)
-
-
-def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizers: list, meta: dict, dist: Dist) -> Optional[Path]:
-    """checkpoints/step-XXXXXX/checkpoint.safetensors, written in a temp folder and renamed.
-    Tensors: model.<name>, optim.<param name>.<state key> (e.g. exp_avg, step), rng.torch;
-    metadata["eagle3lab"]: JSON with the step, data position, history and optimizer param_groups."""
-    model_sd, optim_sd = _full_state(model, optimizers)
-    if dist.rank != 0:
-        return None
-    tensors = {f"model.{k}": v.contiguous() for k, v in model_sd.items()}
-    for name, state in optim_sd["state"].items():
-        for key, value in state.items():
-            tensors[f"optim.{name}.{key}"] = torch.as_tensor(value).contiguous()
-    tensors["rng.torch"] = torch.get_rng_state()
-    meta = {**meta, "step": step, "param_groups": optim_sd["param_groups"]}
-    final = ckpt_root / f"step-{step:06d}"
-    with atomic_dir(final) as tmp:
-        save_file(tensors, str(tmp / CHECKPOINT_FILE), metadata={"eagle3lab": json.dumps(meta, default=str)})
-    for old in sorted(ckpt_root.glob("step-*"))[:-KEEP_CHECKPOINTS]:
-        remove_tree(old, under=ckpt_root, ignore_errors=True)
-    for stale in ckpt_root.glob(".step-*"):             # temp folders of killed runs (atomic_dir)
-        remove_tree(stale, under=ckpt_root, ignore_errors=True)
-    return final
-
-
-def latest_checkpoint(ckpt_root: Path) -> Optional[Path]:
-    done = sorted(p for p in ckpt_root.glob("step-*") if (p / CHECKPOINT_FILE).is_file())
-    return done[-1] if done else None
-
-
-def load_checkpoint(path: Path, model: nn.Module, optimizers: list) -> dict:
-    """Restore model, optimizer and RNG from a checkpoint folder; returns its metadata."""
-    with safe_open(str(path / CHECKPOINT_FILE), framework="pt") as f:
-        meta = json.loads(f.metadata()["eagle3lab"])
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    model_sd = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
-    state: dict = {}
-    for k, v in tensors.items():
-        if k.startswith("optim."):
-            name, key = k[len("optim."):].rsplit(".", 1)
-            state.setdefault(name, {})[key] = v
-    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in meta["param_groups"]]
-    opts = StateDictOptions(full_state_dict=True, strict=False)
-    set_model_state_dict(model, model_sd, options=opts)
-    set_optimizer_state_dict(model, optimizers, {"state": state, "param_groups": groups}, options=opts)
-    torch.set_rng_state(tensors["rng.torch"])
-    return meta
-
-
-def save_final(out_dir: Path, drafter_state: dict, config: Eagle3Config, extra: dict) -> None:
-    """final/: model.safetensors (vLLM parameter names, without the frozen embed_tokens) and
-    config.json = asdict(Eagle3Config); written in a temp folder, then renamed."""
-    state = {k: v.detach().cpu().contiguous() for k, v in drafter_state.items() if not k.startswith("embed_tokens")}
-    with atomic_dir(out_dir) as tmp:
-        save_file(state, str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
-        (tmp / "training.json").write_text(json.dumps(extra, indent=2, default=str) + "\n")
-
-
-
-
 # ==== what a resumption must match ==============================================================
 # Train fields that may change between a run and its resumption (they do not change the math).
 RESUMABLE_CHANGES = {"resume", "time_budget_minutes", "checkpoint_every", "eval_sequences", "tracking",
-                     "compile", "max_steps", "epochs", "nproc", "distributed",
+                     "compile", "max_steps", "epochs", "nproc", "distributed", "num_workers",
                      "diverge_steps", "diverge_uniform_rtol", "diverge_loss_rise", "diverge_grad_norm",
                      "attention", "activation_checkpointing"}     # same function, other cost
 
@@ -267,15 +250,6 @@ class DivergenceGuard:
         return None
 
 
-def last_good_checkpoint(ckpt_root: Path, first_bad_step: int) -> Optional[Path]:
-    """The newest kept checkpoint older than the first bad step's weights. Checkpoint step-k holds
-    the weights after k updates, which step k+1's loss is computed with: the first bad step s was
-    computed with step-(s-1), so the good ones are step-k with k < s - 1."""
-    good = [p for p in ckpt_root.glob("step-*")
-            if (p / CHECKPOINT_FILE).is_file() and int(p.name.split("-")[1]) < first_bad_step - 1]
-    return max(good, default=None)
-
-
 # ==== one optimizer step, the drafter ==========================================================
 def optimizer_step(model: nn.Module, optimizers: list, prepared: list, t, dist: Dist, amp) -> tuple:
     """One optimizer step over this rank's prepared micro-batches (see prepare_batch).
@@ -295,6 +269,7 @@ def optimizer_step(model: nn.Module, optimizers: list, prepared: list, t, dist: 
             # DDP / FSDP average gradients over ranks; the loss is already the global mean
             (loss * dist.world).backward()
         stats += s.cpu()
+    reshard_units(model)                  # before the optimizer changes the sharded weights
     stats = dist.all_sum(stats)
     loss_value = float(sum((t.decay ** j) * stats[j, 0] / denom[j] for j in range(J)))
     if not math.isfinite(loss_value):
@@ -388,7 +363,7 @@ class TrainRun:
     fingerprint: str                      # cache_fingerprint
     step: int = 0                         # optimizer steps done
     history: list = field(default_factory=list)
-    eval_batches: list = field(default_factory=list)
+    eval_batches: object = field(default_factory=list)   # objective.HeldOutBatches (empty: no eval cache)
 
     @property
     def config(self) -> Eagle3Config:
@@ -435,9 +410,10 @@ def setup(P: Params, layout: RunLayout, dist: Dist, device: torch.device) -> Tra
     # noise is in units of s: the batch already holds aux / s when fc_input_scaling is on
     noise_scale = aux_scale(cache) if t.feature_noise > 0 and not t.fc_input_scaling else None
     drafter = build_drafter(P, target_path(P), cache.hidden_size, cache.aux_layers, d2t, t2d, scale).to(device)
+    drafter.embed_tokens.to(frozen_dtype(t, device))
     drafter.configure_training(t.attention, t.activation_checkpointing, device)
     scoring = build_scoring(P, layout, drafter, device, scale=scale, compile=t.compile)
-    model = wrap_model(scoring.objective, t.distributed, dist)
+    model = wrap_model(scoring.objective, t.distributed, dist, mixed_precision(t, device))
     optimizers = make_optimizers_for(model, t)
     usable, per_step, steps_per_epoch, total_steps = schedule(cache, t, P.seed, dist.world)
     fingerprint = cache_fingerprint(cache, eval_cache)
@@ -460,8 +436,12 @@ def resume(run: TrainRun) -> None:
     run.dist.barrier()
     if ckpt is None:
         return
-    meta = load_checkpoint(ckpt, run.model, run.optimizers)
+    meta = read_checkpoint_meta(ckpt)
     start_over = "set train.resume: false to start over, or use another run name"
+    if meta["world_size"] != run.dist.world:
+        raise RuntimeError(f"{ckpt} was written by {meta['world_size']} process(es), this run has "
+                           f"{run.dist.world}: its shards are laid out for that world size; resume with "
+                           f"train.nproc: {meta['world_size']}, or {start_over}")
     if meta["total_steps"] != run.total_steps or meta["world_batch"] != run.per_step:
         raise RuntimeError(f"{ckpt} was made with another schedule ({meta['total_steps']} steps, "
                            f"{meta['world_batch']} micro-batches/step; now {run.total_steps}, {run.per_step}); "
@@ -474,22 +454,17 @@ def resume(run: TrainRun) -> None:
     if meta["identity"] != run.identity:
         raise RuntimeError(f"{ckpt} was made with other train/data params (only "
                            f"{sorted(RESUMABLE_CHANGES)} may change between resumptions); {start_over}")
+    load_checkpoint(ckpt, run.model, run.optimizers, run.dist)
     run.step, run.history = meta["step"], meta.get("history", [])
 
 
-def train_step(run: TrainRun, epoch_batches: dict) -> tuple[dict, float]:
-    """One optimizer step on global batch run.step -> (record, global real tokens). epoch_batches
-    caches the current epoch's micro-batches ({epoch: list})."""
+def train_step(run: TrainRun, batches: Iterator[dict]) -> tuple[dict, float]:
+    """One optimizer step on global batch run.step -> (record, global real tokens). batches: this
+    rank's collated micro-batches from run.step on (loader), grad_accum of them per step."""
     P, t, dist = run.P, run.P.train, run.dist
-    epoch, pos = divmod(run.step, run.steps_per_epoch)
-    if epoch not in epoch_batches:
-        epoch_batches.clear()
-        epoch_batches[epoch] = bucket_batches(run.lengths, t.batch_tokens, P.seed, epoch)
-    global_mbs = epoch_batches[epoch][pos * run.per_step:(pos + 1) * run.per_step]
-    mine = global_mbs[dist.rank::dist.world]                       # disjoint slice per rank
-    prepared = [prepare_batch(collate([run.cache.get(run.usable[k]) for k in mb], t.batch_tokens),
-                              run.scoring.head, t.ttt_steps, run.device, run.scoring.scale, exact_top1=False,
-                              all_positions=t.label_positions == "all") for mb in mine]
+    mine = [next(batches) for _ in range(run.per_step // dist.world)]  # a disjoint slice per rank
+    prepared = [prepare_batch(batch, run.scoring.head, t.ttt_steps, run.device, run.scoring.scale,
+                              exact_top1=False, all_positions=t.label_positions == "all") for batch in mine]
     if t.feature_noise > 0:                                        # after the labels: they stay exact
         prepared = [add_feature_noise(b, t.feature_noise, run.noise_scale,
                                       P.seed * 1009 + dist.rank * 101 + i, run.step)
@@ -505,6 +480,16 @@ def train_step(run: TrainRun, epoch_batches: dict) -> tuple[dict, float]:
     n = stats[:, 2].clamp(min=1)
     return {"step": run.step, "lr": lr, "loss": loss_value, "grad_norm": grad_norm,
             "step_loss": (stats[:, 0] / n).tolist(), "step_acc": (stats[:, 1] / n).tolist()}, tokens
+
+
+def loader(run: TrainRun):
+    """This rank's micro-batches from run.step to the end (batches.micro_batch_loader): the same
+    order as an uninterrupted run; train.num_workers worker processes, pinned memory on CUDA."""
+    t = run.P.train
+    plan = Schedule(tuple(run.lengths), t.batch_tokens, run.P.seed, run.per_step, run.steps_per_epoch,
+                    run.total_steps)
+    return micro_batch_loader(run.cache, run.usable, plan, run.dist.rank, run.dist.world, run.step,
+                              t.num_workers, pin_memory=run.device.type == "cuda")
 
 
 def stop_if_diverged(run: TrainRun, guard: DivergenceGuard, record: dict) -> None:
@@ -557,10 +542,10 @@ def loop(run: TrainRun, progress: bool, callback: Optional[Callable]) -> tuple[s
     guard = DivergenceGuard(t, run.config.draft_vocab_size)
     bar = tqdm(total=run.total_steps, initial=run.step, desc="train", disable=not (progress and rank0))
     t0, tokens_seen, stopped_by = time.time(), 0.0, "steps"
-    epoch_batches: dict = {}
+    batches = iter(loader(run))
     run.model.train()
     while run.step < run.total_steps:
-        record, tokens = train_step(run, epoch_batches)
+        record, tokens = train_step(run, batches)
         tokens_seen += tokens
         record["tokens_per_s"] = tokens_seen / max(1e-9, time.time() - t0)
         stop_if_diverged(run, guard, record)

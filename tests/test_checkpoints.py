@@ -1,12 +1,18 @@
 """Training checkpoints: a direct save -> load round trip (model, optimizer state, RNG) and resume
-after a SIGKILL at a random moment of the training loop and in the middle of a checkpoint write.
+after a SIGKILL at a random moment of the training loop and in the middle of a checkpoint write;
+and 2 FSDP2 processes with sharded (torch.distributed.checkpoint) checkpoints killed and resumed.
 
 The trainer runs on the tiny synthetic run of test_train.py (make_run, run_script and the
 sharp_target_dir fixture come from there)."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +22,8 @@ from safetensors.torch import load_file
 from eagle3lib.dist import Dist
 from eagle3lib.model import Eagle3Config, Eagle3Drafter
 from eagle3lib.params import load_params
-from eagle3lib.train import latest_checkpoint, load_checkpoint, save_checkpoint
+from eagle3lib.checkpoints import SHARDED_META, latest_checkpoint, load_checkpoint, save_checkpoint
+from eagle3lib.train import train, torchrun_command
 from test_train import make_run, run_script, sharp_target_dir  # noqa: F401  (a fixture)
 
 MAX_STEPS = 9          # checkpoint_every 2 (make_run): checkpoints at steps 2, 4, 6, 8, 9
@@ -182,15 +189,15 @@ def test_resume_after_sigkill_during_a_checkpoint_write(tmp_path, sharp_target_d
     a half-written step-000004 is left where latest_checkpoint looks (the folder assertion)."""
     reference, _ = uninterrupted
     path = make_run(tmp_path, sharp_target_dir, {"max_steps": MAX_STEPS, "resume": True})
-    kill = ("import eagle3lib.train\n"                     # the name save_checkpoint calls
-            "_save = eagle3lib.train.save_file\n"
+    kill = ("import eagle3lib.checkpoints\n"               # the name save_checkpoint calls
+            "_save = eagle3lib.checkpoints.save_file\n"
             "def save_then_die(tensors, filename, metadata=None):\n"
             "    _save(tensors, filename, metadata=metadata)\n"
             "    if 'step-000004' in filename:\n"
             "        size = os.path.getsize(filename)\n"
             "        os.truncate(filename, size // 2)          # half written\n"
             "        os.kill(os.getpid(), signal.SIGKILL)\n"
-            "eagle3lib.train.save_file = save_then_die\n")
+            "eagle3lib.checkpoints.save_file = save_then_die\n")
     res = run_script(path, kill, check=False)
     assert res.returncode == -9, res.stderr[-2000:]
     ckpts = load_params(path).run_dir() / "train" / "checkpoints"
@@ -198,3 +205,92 @@ def test_resume_after_sigkill_during_a_checkpoint_write(tmp_path, sharp_target_d
     assert len(list(ckpts.glob(".step-000004-*"))) == 1, sorted(p.name for p in ckpts.iterdir())
     assert latest_checkpoint(ckpts).name == "step-000002"
     resume_and_compare(path, reference)
+
+
+# ---- sharded checkpoints: 2 FSDP2 processes -------------------------------------------------------
+def descendants(pid: int) -> list:
+    """The process ids below `pid` (from /proc): torchrun starts its workers in their own sessions,
+    so killing torchrun's process group would leave them running."""
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue                                             # the process ended meanwhile
+        parent[int(stat.parent.name)] = int(fields[1])
+    out, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, pp in parent.items() if pp in frontier]
+        out, frontier = out + kids, kids
+    return out
+
+
+def is_running(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+def kill_torchrun_after(params_path, checkpoint: str, delay: float) -> int:
+    """Start 2-process training under torchrun and SIGKILL torchrun and every process below it
+    `delay` seconds after checkpoints/<checkpoint> appears; returns torchrun's exit status."""
+    ckpts = load_params(params_path).run_dir() / "train" / "checkpoints"
+    cmd = torchrun_command(params_path, None, 2) + ["--no-progress"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not (ckpts / checkpoint).is_dir() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, f"training ended before {checkpoint}: {proc.stderr.read()[-3000:]}"
+    time.sleep(delay)
+    workers = descendants(proc.pid)
+    assert len(workers) >= 2, workers
+    for pid in workers + [proc.pid]:
+        os.kill(pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    for pid in workers:                                          # dead before the resume starts
+        while is_running(pid):
+            time.sleep(0.05)
+    return proc.returncode
+
+
+def test_two_process_fsdp_sharded_checkpoint_resume_after_kill_reaches_the_uninterrupted_weights(
+        tmp_path, sharp_target_dir):  # noqa: F811
+    """2 FSDP2 (gloo) processes write DCP checkpoints (each rank its shards, no gathered file); the
+    whole torchrun process group is killed with SIGKILL a moment after step-000002 appears (a few
+    steps later at most, possibly inside a checkpoint write), the run is resumed and must reach the uninterrupted
+    2-process run's final weights bit for bit: both runs do the same fp32 gloo reductions in the
+    same order, and the resumed one restores every rank's parameter and optimizer shards exactly.
+    A resume with another world size is refused, naming the checkpoint.
+    Planted fault shown caught: _load_sharded loading only the model shards (the optimizer state
+    left fresh): fc.weight differs. (Killing only torchrun's process group does not stop its
+    workers, which finished the run: the kill targets every process below torchrun.)"""
+    overrides = {"max_steps": MAX_STEPS, "resume": True, "grad_accum": 1, "distributed": "fsdp", "nproc": 2}
+    full = make_run(tmp_path / "full", sharp_target_dir, overrides)
+    run_script(full, nproc=2)
+    killed = make_run(tmp_path / "killed", sharp_target_dir, overrides)
+    assert kill_torchrun_after(killed, "step-000002", random.Random(0).uniform(0.0, 0.3)) == -9
+    run_dir = load_params(killed).run_dir()
+    ckpt = latest_checkpoint(run_dir / "train" / "checkpoints")
+    assert not (run_dir / "train" / "final").exists() and ckpt.name < f"step-{MAX_STEPS:06d}", ckpt
+    assert (ckpt / SHARDED_META).is_file() and (ckpt / ".metadata").is_file()
+    assert len(list(ckpt.glob("*.distcp"))) == 2 and len(list(ckpt.glob("rng-rank-*.safetensors"))) == 2
+    assert not (ckpt / "checkpoint.safetensors").exists()                # nothing gathered
+    assert json.loads((ckpt / SHARDED_META).read_text())["world_size"] == 2
+    run_script(killed, nproc=2)                                          # resumes
+    reference = load_file(str(load_params(full).run_dir() / "train" / "final" / "model.safetensors"))
+    resume_and_compare_files(run_dir, reference)
+    single = load_params(killed, overrides={"train": {"nproc": 1, "distributed": "none", "grad_accum": 2}})
+    with pytest.raises(RuntimeError, match=r"step-000009 was written by 2 process\(es\), this run has 1"):
+        train(single, run_dir, progress=False)
+
+
+def resume_and_compare_files(run_dir, reference: dict) -> None:
+    final = load_file(str(run_dir / "train" / "final" / "model.safetensors"))
+    assert final.keys() == reference.keys()
+    for k in reference:
+        assert torch.equal(final[k], reference[k]), f"{k}: resumed weights differ from the uninterrupted run"
+    hist = json.loads((run_dir / "train" / "history.json").read_text())
+    assert [r["step"] for r in hist] == list(range(1, MAX_STEPS + 1))
+    assert not list((run_dir / "train" / "checkpoints").glob(".step-*")), "a temp checkpoint folder was left"

@@ -14,7 +14,7 @@ from eagle3lib.export import (LAYOUTS, VllmExportError, config_from_export, expo
                               load_drafter, load_export, vllm_incompatibilities)
 from eagle3lib.model import Eagle3Config, Eagle3Drafter
 from eagle3lib.target import load_target_tensors
-from eagle3lib.train import save_final
+from eagle3lib.checkpoints import save_final
 
 CHOICES = [dict(norm_before_residual=True),
            dict(norm_before_residual=False, norm_before_fc=True),
@@ -128,7 +128,7 @@ def test_full_vocab_export_leaves_out_d2t(tiny_target_dir, tmp_path):
 
 
 def test_export_from_trainer_folder(tiny_target_dir, tmp_path):
-    """The trainer's final/ folder, written by the trainer's own writer (train.save_final), loads
+    """The trainer's final/ folder, written by the trainer's own writer (checkpoints.save_final), loads
     back bit-exactly and exports. Planted fault shown caught: save_final keeping embed_tokens in
     model.safetensors fails the embed_tokens assertion."""
     model = make_drafter(tiny_target_dir, 300, norm_before_residual=False)

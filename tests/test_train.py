@@ -150,6 +150,47 @@ def test_bucket_batches_cover_every_sequence_once_within_the_token_budget():
     assert padded / sum(lengths) < 1.15
 
 
+class ListCache:
+    """A stand-in for HiddenCache: get(i) -> sequence i's fields (what collate reads)."""
+
+    def __init__(self, lengths: list):
+        g = torch.Generator().manual_seed(5)
+        self.items = [{"input_ids": torch.randint(100, (n,), generator=g), "loss_mask": torch.ones(n, dtype=torch.uint8),
+                       "aux": torch.randn(n, 3, 4, generator=g), "final": torch.randn(n, 4, generator=g)}
+                      for n in lengths]
+
+    def get(self, i: int) -> dict:
+        return self.items[i]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_the_loader_feeds_each_rank_the_old_slices_of_bucket_batches_from_any_step(workers):
+    """micro_batch_loader reproduces the trainer's former in-step batching (bucket_batches per
+    epoch, the step's slice, rank::world) from any start step, across epochs, with and without
+    worker processes. Planted fault shown caught: StepSampler reshuffling with epoch + 1
+    (the order assertion)."""
+    from eagle3lib.batches import Schedule, collate, micro_batch_loader
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 40, (60,), generator=g).tolist()
+    usable = list(range(5, 65))                                  # dataset index k -> cache item usable[k]
+    cache = ListCache([3] * 5 + lengths)
+    world, accum, batch_tokens, seed = 2, 2, 96, 3
+    per_step = world * accum
+    spe = len(bucket_batches(lengths, batch_tokens, seed, 0)) // per_step
+    plan = Schedule(tuple(lengths), batch_tokens, seed, per_step, spe, total_steps=2 * spe + 3)
+    for rank in range(world):
+        for start in (0, spe - 1):
+            expected = []
+            for step in range(start, plan.total_steps):
+                epoch, pos = divmod(step, spe)
+                mbs = bucket_batches(lengths, batch_tokens, seed, epoch)[pos * per_step:(pos + 1) * per_step]
+                expected += [collate([cache.get(usable[k]) for k in mb], batch_tokens) for mb in mbs[rank::world]]
+            got = list(micro_batch_loader(cache, usable, plan, rank, world, start, workers=workers))
+            assert len(got) == len(expected) == (plan.total_steps - start) * accum
+            for a, b in zip(got, expected):
+                assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_lr_schedule_warmup_then_cosine_to_min_ratio():
     f = [lr_factor(s, 10, 100, 0.1) for s in range(101)]
     assert f[0] < f[5] < f[9] <= 1.0
@@ -474,7 +515,7 @@ def test_divergence_guard_criteria_need_consecutive_steps():
 
 
 def test_last_good_checkpoint_is_older_than_the_first_bad_step(tmp_path):
-    from eagle3lib.train import CHECKPOINT_FILE, last_good_checkpoint
+    from eagle3lib.checkpoints import CHECKPOINT_FILE, last_good_checkpoint
     for k in (4, 6, 8):
         (tmp_path / f"step-{k:06d}").mkdir()
         (tmp_path / f"step-{k:06d}" / CHECKPOINT_FILE).write_bytes(b"x")
