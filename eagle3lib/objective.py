@@ -1,5 +1,6 @@
 """What the drafter learns and how it is scored: the target's soft labels, the fused soft
-cross-entropy, the training-time-test (TTT) loss, held-out evaluation and the acceptance numbers.
+cross-entropy (or an LK loss, train.loss), the training-time-test (TTT) loss, held-out evaluation and the
+acceptance numbers.
 
     scoring = build_scoring(P, layout, drafter, device)        # head, objective, autocast, aux scale
     batch = prepare_batch(collate(items, max_len), scoring.head, ttt_steps, device, scoring.scale)
