@@ -1,5 +1,6 @@
 """What the drafter learns and how it is scored: the target's soft labels, the fused soft
-cross-entropy, the training-time-test (TTT) loss, held-out evaluation and the acceptance numbers.
+cross-entropy (or an LK loss, train.loss), the training-time-test (TTT) loss, held-out evaluation and the
+acceptance numbers.
 
     scoring = build_scoring(P, layout, drafter, device)        # head, objective, autocast, aux scale
     batch = prepare_batch(collate(items, max_len), scoring.head, ttt_steps, device, scoring.scale)
@@ -148,6 +149,99 @@ class LinearSoftCrossEntropy(torch.autograd.Function):
         return grad_rows, grad_w, None, None
 
 
+class LinearAcceptanceLoss(torch.autograd.Function):
+    """lm_head + an LK loss (Samarin et al., "LK Losses: Direct Acceptance Rate Optimization for
+    Speculative Decoding", arXiv 2602.23881) in one autograd node, chunked like LinearSoftCrossEntropy.
+
+    forward(rows [N, H], weight [Dv, H], p [M, Dv], p_index [N], kind, eta) -> (loss_sum, ce_sum, argmax [N]).
+    Per row n, with p = p[p_index[n]] (the target's distribution restricted to the draft vocabulary and
+    renormalised), q = softmax(z_n), z_n = rows[n] @ weight.T, and the acceptance rate (the chance that
+    speculative sampling accepts a token drafted from q when the target samples from p)
+        alpha = sum_v min(p_v, q_v) = 1 - TV(p, q):
+      kind "lk":        l = -log(max(alpha, LOG_EPS))
+      kind "lk_hybrid": l = lam * KL(p || q) + (1 - lam) * (1 - alpha),  lam = exp(-eta * sg[alpha])
+                        (sg: no gradient through the weight; KL(p||q) = soft CE - sum_v p log p)
+    These are vllm-project/speculators' `neg_log_acceptance_loss` (same eps) and `lk_hybrid_loss`
+    (per-position blend, eta = 3.0 there, "the paper's best hybrid setting"). SpecForge's
+    lk_loss_type "alpha" is the same -log(alpha) per position; its "lambda" blends batch means
+    (lam = kl_scale * exp(-kl_decay * mean alpha), kl_decay = 1), which is not what is done here.
+    loss_sum = sum_n l. ce_sum = sum_n (logsumexp(z_n) - sum_v p z_n,v), the soft cross-entropy
+    of LinearSoftCrossEntropy computed with the same operations (the per-step stats keep reporting
+    it, so logs, the divergence guard and held-out losses stay comparable across loss choices);
+    it carries no gradient. Sums run in fp32 (bf16 logits under autocast; fp64 inputs stay fp64).
+
+    Gradient w.r.t. z_n (m_v = [q_v < p_v], the subgradient of min that picks p at ties;
+    S = sum_v m_v q_v):  d alpha / dz_k = q_k (m_k - S), so
+      lk:        dz = -(q * (m - S)) / alpha   (0 where alpha < LOG_EPS: the clamp's gradient)
+      lk_hybrid: dz = lam * (q - p) - (1 - lam) * q * (m - S)
+    As in LinearSoftCrossEntropy only dz [N, Dv] (the logits' dtype) is kept for backward; the
+    extra per-chunk work is a few elementwise passes over [C, Dv].
+    """
+
+    CHUNK = 256
+    LOG_EPS = 1e-5
+    KINDS = ("lk", "lk_hybrid")
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, p: torch.Tensor, p_index: torch.Tensor,
+                kind: str, eta: float):
+        if kind not in LinearAcceptanceLoss.KINDS:
+            raise ValueError(f"LinearAcceptanceLoss: unknown kind {kind!r} (known: {LinearAcceptanceLoss.KINDS})")
+        C = LinearAcceptanceLoss.CHUNK
+        logits = rows @ weight.T                                                  # [N, Dv] (bf16 under autocast)
+        dtype = torch.promote_types(logits.dtype, torch.float32)                  # fp32 (fp64 for gradcheck)
+        dz = torch.empty_like(logits)
+        loss = logits.new_zeros((), dtype=dtype)
+        ce = logits.new_zeros((), dtype=dtype)
+        preds = []
+        for a in range(0, logits.shape[0], C):
+            z = logits[a:a + C].to(dtype)                                         # [C, Dv]
+            pc = p[p_index[a:a + C]]                                              # [C, Dv]
+            m, best = z.max(-1, keepdim=True)                                     # [C, 1]
+            preds.append(best.squeeze(-1))
+            dot = torch.linalg.vecdot(pc, z)                                      # [C] sum_v p z
+            z.sub_(m).exp_()
+            total = z.sum(-1, keepdim=True)
+            ce_rows = (m + total.log()).squeeze(-1) - dot                         # [C] soft CE
+            ce = ce + ce_rows.sum()
+            q = z.div_(total)                                                     # [C, Dv] softmax
+            below = q < pc                                                        # [C, Dv] m_v
+            alpha = torch.where(below, q, pc).sum(-1, keepdim=True)               # [C, 1] sum min(p, q)
+            s = (q * below).sum(-1, keepdim=True)                                 # [C, 1] S
+            dalpha = q * (below.to(q.dtype) - s)                                  # [C, Dv] d alpha / dz
+            if kind == "lk":
+                safe = alpha >= LinearAcceptanceLoss.LOG_EPS                      # [C, 1]
+                loss = loss - alpha.clamp(min=LinearAcceptanceLoss.LOG_EPS).log().sum()
+                dz[a:a + C] = torch.where(safe, -dalpha / alpha, torch.zeros_like(dalpha))
+            else:
+                lam = torch.exp(-eta * alpha)                                     # [C, 1]
+                kl = ce_rows[:, None] + torch.special.xlogy(pc, pc).sum(-1, keepdim=True)   # [C, 1]
+                loss = loss + (lam * kl + (1 - lam) * (1 - alpha)).sum()
+                dz[a:a + C] = lam * (q - pc) - (1 - lam) * dalpha
+        ctx.save_for_backward(rows, weight, dz)
+        pred = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long, device=rows.device)
+        ctx.mark_non_differentiable(ce, pred)
+        return loss, ce, pred
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor, _grad_ce, _grad_pred):
+        grad_rows, grad_w, _, _ = LinearSoftCrossEntropy.backward(ctx, grad_loss, _grad_pred)
+        return grad_rows, grad_w, None, None, None, None
+
+
+LOSS_CHOICES = ("kl",) + LinearAcceptanceLoss.KINDS     # TrainParams.loss
+
+
+def linear_loss(rows: torch.Tensor, weight: torch.Tensor, p: torch.Tensor, p_index: torch.Tensor,
+                loss: str = "kl", lk_eta: float = 3.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One TTT step's summed loss -> (loss_sum (differentiable), soft-CE sum (detached), argmax [N]).
+    loss "kl" is LinearSoftCrossEntropy (today's soft cross-entropy, unchanged), else LinearAcceptanceLoss."""
+    if loss == "kl":
+        loss_sum, pred = LinearSoftCrossEntropy.apply(rows, weight, p, p_index)
+        return loss_sum, loss_sum.detach(), pred
+    return LinearAcceptanceLoss.apply(rows, weight, p, p_index, loss, lk_eta)
+
+
 def target_positions(loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """loss_mask [B, T] bool (False on padding) -> (b, u) [N] indices of the positions u whose
     target distribution is a label: the token u+1 exists and is an assistant token."""
@@ -161,7 +255,7 @@ def step_counts(tgt_u: torch.Tensor, ttt_steps: int) -> torch.Tensor:
 
 
 def ttt_loss(states: list, lm_head: nn.Module, d2t: torch.Tensor, batch: dict, denominators: torch.Tensor,
-             decay: float, flags: bool = False) -> tuple:
+             decay: float, flags: bool = False, loss: str = "kl", lk_eta: float = 3.0) -> tuple:
     """Weighted TTT loss over the counted (t, j) pairs only.
 
     states: per step j, the drafter's final-normed states [B, T, H] (Eagle3Drafter.ttt_hidden).
@@ -172,6 +266,9 @@ def ttt_loss(states: list, lm_head: nn.Module, d2t: torch.Tensor, batch: dict, d
     they add exactly zero to the loss and get exactly zero gradient.
     flags=True adds a third output, correct [N, J] bool: step j drafted from anchor t = u-1-j
     predicted label u's top-1 (False where that anchor does not exist); see replay_chain.
+    loss: what is minimised per position, "kl" (soft cross-entropy) | "lk" | "lk_hybrid" (see
+    LinearAcceptanceLoss; lk_eta is the hybrid's eta). The stats' summed loss is the soft
+    cross-entropy for every choice (for "kl" it is the minimised loss itself).
     """
     b, u = batch["tgt_b"], batch["tgt_u"]
     weight = lm_head.weight                                                    # [Dv, H]
@@ -184,12 +281,12 @@ def ttt_loss(states: list, lm_head: nn.Module, d2t: torch.Tensor, batch: dict, d
     for j, s in enumerate(states):
         keep = (u >= 1 + j).nonzero().squeeze(-1)                              # t = u-1-j exists
         rows = s[b[keep], u[keep] - 1 - j]                                     # [N_j, H]
-        loss_sum, pred = LinearSoftCrossEntropy.apply(rows, weight, batch["target_p"], keep)
+        loss_sum, ce_sum, pred = linear_loss(rows, weight, batch["target_p"], keep, loss, lk_eta)
         total = total + (decay ** j) * loss_sum / denominators[j].to(loss_sum.dtype)
         hit = (pred + d2t[pred]) == batch["target_top"][keep]                   # [N_j]
         correct_flags[keep, j] = hit
         correct = hit.sum()
-        stats.append(torch.stack([loss_sum.detach().double(), correct.double(),
+        stats.append(torch.stack([ce_sum.double(), correct.double(),
                                   torch.tensor(float(len(keep)), dtype=torch.float64, device=correct.device)]))
     if flags:
         return total, torch.stack(stats), correct_flags
@@ -208,9 +305,13 @@ def acceptance_estimate(acc: list) -> float:
 class TTTObjective(nn.Module):
     """The drafter plus the loss, so that DDP / FSDP wrap one module whose forward runs it all."""
 
-    def __init__(self, drafter: Eagle3Drafter, ttt_steps: int, decay: float, compile: bool = False):
+    def __init__(self, drafter: Eagle3Drafter, ttt_steps: int, decay: float, compile: bool = False,
+                 loss: str = "kl", lk_eta: float = 3.0):
         super().__init__()
+        if loss not in LOSS_CHOICES:
+            raise ValueError(f"TTTObjective: loss {loss!r} is not one of {LOSS_CHOICES} (train.loss)")
         self.drafter, self.ttt_steps, self.decay = drafter, ttt_steps, decay
+        self.loss, self.lk_eta = loss, lk_eta              # see ttt_loss / TrainParams.loss
         # torch.compile of the unrolled TTT forward (dynamic shapes: one compilation serves every
         # batch shape). Only the training pass uses it; evaluation (no_grad) stays eager, which
         # spares a second compilation.
@@ -220,7 +321,8 @@ class TTTObjective(nn.Module):
         ttt = self.compiled_ttt if self.compiled_ttt is not None and torch.is_grad_enabled() \
             else self.drafter.ttt_hidden
         states = ttt(batch["aux"], batch["input_ids"], self.ttt_steps)
-        return ttt_loss(states, self.drafter.lm_head, self.drafter.d2t, batch, denominators, self.decay, flags)
+        return ttt_loss(states, self.drafter.lm_head, self.drafter.d2t, batch, denominators, self.decay, flags,
+                        self.loss, self.lk_eta)
 
 
 def replay_chain(u: torch.Tensor, correct: torch.Tensor, k: int,
@@ -388,10 +490,11 @@ class Scoring:
 def build_scoring(P: Params, layout: RunLayout, drafter: Eagle3Drafter, device, ttt_steps: Optional[int] = None,
                   scale: Optional[torch.Tensor] = None, compile: bool = False) -> Scoring:
     """The scoring of run `layout` for `drafter` (already on `device`): the target's lm_head with the
-    run's draft vocabulary, TTTObjective(drafter, ttt_steps (default train.ttt_steps), train.decay)
-    and train.dtype's autocast. scale: see batches.aux_scale (None for a drafter with s folded in)."""
+    run's draft vocabulary, TTTObjective(drafter, ttt_steps (default train.ttt_steps), train.decay,
+    train.loss, train.lk_eta) and train.dtype's autocast. scale: see batches.aux_scale (None for a drafter with s folded in)."""
     d2t, _ = load_vocab(layout.vocab)
     head = TargetHead(load_target_tensors(target_path(P), ("lm_head",))["lm_head"], d2t).to(device)
-    objective = TTTObjective(drafter, ttt_steps or P.train.ttt_steps, P.train.decay, compile=compile)
+    objective = TTTObjective(drafter, ttt_steps or P.train.ttt_steps, P.train.decay, compile=compile,
+                             loss=P.train.loss, lk_eta=P.train.lk_eta)
     return Scoring(head, objective, autocast_for(P.train.dtype, device), scale)
 

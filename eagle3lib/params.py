@@ -145,6 +145,13 @@ class TrainParams:
     # label after any prefix, so user turns are extra distillation data at no extraction cost).
     # Held-out evaluation always scores assistant positions.
     label_positions: str = "assistant"
+    # What each counted (t, j) pair minimises (objective.ttt_loss): "kl" (soft cross-entropy against
+    # the target's draft-vocab distribution p, the EAGLE-3 recipe) | "lk" (-log alpha, alpha =
+    # sum_v min(p_v, q_v): the acceptance rate of speculative sampling, q the drafter's softmax) |
+    # "lk_hybrid" (lam * KL(p||q) + (1 - lam) * (1 - alpha), lam = exp(-lk_eta * alpha), alpha not
+    # differentiated in lam). LK losses: Samarin et al., arXiv 2602.23881; see LinearAcceptanceLoss.
+    loss: str = "kl"
+    lk_eta: float = 3.0                  # lk_hybrid's eta (vllm-project/speculators' default); >= 0
     # Gaussian noise added to the fc input (aux / s, s: see fc_input_scaling) during training only,
     # std in units of s: a regulariser against memorising the training sequences (EAGLE-1 added
     # noise to its features for the same reason). 0: off. Evaluation never adds noise.
@@ -288,6 +295,7 @@ CHOICES = {
     "train.next_step_hidden": {"pre_norm", "post_norm"},
     "train.loss_average": {"masked", "all"},
     "train.label_positions": {"assistant", "all"},
+    "train.loss": {"kl", "lk", "lk_hybrid"},                                  # objective.LOSS_CHOICES
     "train.tracking": {"none", "tensorboard"},
     "train.distributed": {"none", "ddp", "fsdp"},
     "train.attention": {"auto", "manual", "merge", "mask", "chunked", "flex"},   # model.ATTENTION_CHOICES
@@ -463,6 +471,7 @@ def validate(p: Params) -> Params:
     need(0 < t.diverge_uniform_rtol < 1, "train.diverge_uniform_rtol", "must be in (0, 1)")
     need(t.diverge_loss_rise > 1, "train.diverge_loss_rise", "must be > 1")
     need(t.diverge_grad_norm >= 0, "train.diverge_grad_norm", "must be >= 0")
+    need(0 <= t.lk_eta <= 100, "train.lk_eta", "must be in [0, 100] (0: lk_hybrid is plain KL)")
     need(0 <= t.feature_noise <= 10, "train.feature_noise", "must be in [0, 10] (std in units of the aux scale)")
     need(not (t.fc_input_scaling and t.norm_before_fc), "train.fc_input_scaling",
          "cannot be folded into fc behind an RMSNorm: set it false when train.norm_before_fc is true")
