@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from .chats import check_sources
-from .files import is_strictly_inside, read_json, run_lock, update_metrics
+from .files import atomic_write_bytes, is_strictly_inside, read_json, run_lock, update_metrics
 from .layout import RunLayout
 from .params import Params, ParamsError, check_run_name, dump, load_params, repo_root, resolve_path
 from .plan import capacity_plan, measured_stats
@@ -109,7 +109,7 @@ def run_pipeline(params_path: str, only: Optional[str] = None, run_name: Optiona
 
 def record_run(p: Params, layout: RunLayout, params_file: str) -> None:
     """params.yaml (the resolved profile) and metrics.json's `runner` section: what ran, where."""
-    layout.params.write_text(dump(p))
+    atomic_write_bytes(layout.params, dump(p).encode())
     update_metrics(layout.root, "runner", {"params_path": params_file, "git_commit": git_commit(repo_root()),
                                            "machine": machine_info()})
 
