@@ -348,33 +348,6 @@ def scripted(replies):
     return generate, calls
 
 
-def test_regenerate_batch_turn_rules(tok):
-    chats = [
-        {"id": "two", "messages": [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "x"},
-                                   {"role": "user", "content": "u2"}, {"role": "assistant", "content": "y"},
-                                   {"role": "user", "content": "u3"}, {"role": "assistant", "content": "z"}]},
-        {"id": "capped", "messages": [{"role": "user", "content": "c1"}, {"role": "assistant", "content": "x"},
-                                      {"role": "user", "content": "c2"}, {"role": "assistant", "content": "y"}]},
-        {"id": "empty1", "messages": [{"role": "user", "content": "e1"}, {"role": "assistant", "content": "x"}]},
-        {"id": "empty2", "messages": [{"role": "user", "content": "f1"}, {"role": "assistant", "content": "x"},
-                                      {"role": "user", "content": "f2"}, {"role": "assistant", "content": "y"}]},
-        {"id": "long", "messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "x"}]},
-    ]
-    generate, calls = scripted({"u1": ("A1", 2, False), "u2": ("A2", 2, False), "c1": ("cut off", 9, True),
-                                "e1": ("  \n", 1, False), "f1": ("F1", 1, False), "f2": ("", 0, False)})
-    results = {r["id"]: r for r in D_regen.regenerate_batch(chats, generate, tok, max_turns=2, max_length=64)}
-    assert calls == [["u1", "c1", "e1", "f1"], ["u2", "f2"]]   # one backend call per turn
-    assert results["two"]["messages"] == [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "A1"},
-                                          {"role": "user", "content": "u2"}, {"role": "assistant", "content": "A2"}]
-    assert results["two"]["turns"] == 2 and results["two"]["new_tokens"] == 4 and not results["two"]["capped"]
-    assert results["capped"]["messages"][-1] == {"role": "assistant", "content": "cut off", "capped": True}
-    assert len(results["capped"]["messages"]) == 2 and results["capped"]["capped"]
-    assert results["empty1"]["status"] == "empty" and results["empty1"]["messages"] == []
-    assert results["empty2"]["status"] == "ok" and results["empty2"]["empty_outputs"] == 1
-    assert results["empty2"]["messages"] == [{"role": "user", "content": "f1"}, {"role": "assistant", "content": "F1"}]
-    assert results["long"]["status"] == "too_long" and results["long"]["new_tokens"] == 0
-
-
 TURN_RULE_CHATS = [
     {"id": "two", "messages": [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "x"},
                                {"role": "user", "content": "u2"}, {"role": "assistant", "content": "y"},
@@ -388,6 +361,22 @@ TURN_RULE_CHATS = [
 ]
 TURN_RULE_REPLIES = {"u1": ("A1", 2, False), "u2": ("A2", 2, False), "c1": ("cut off", 9, True),
                      "e1": ("  \n", 1, False), "f1": ("F1", 1, False), "f2": ("", 0, False)}
+
+
+def test_regenerate_batch_turn_rules(tok):
+    generate, calls = scripted(TURN_RULE_REPLIES)
+    results = {r["id"]: r for r in D_regen.regenerate_batch(TURN_RULE_CHATS, generate, tok, max_turns=2,
+                                                            max_length=64)}
+    assert calls == [["u1", "c1", "e1", "f1"], ["u2", "f2"]]   # one backend call per turn
+    assert results["two"]["messages"] == [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "A1"},
+                                          {"role": "user", "content": "u2"}, {"role": "assistant", "content": "A2"}]
+    assert results["two"]["turns"] == 2 and results["two"]["new_tokens"] == 4 and not results["two"]["capped"]
+    assert results["capped"]["messages"][-1] == {"role": "assistant", "content": "cut off", "capped": True}
+    assert len(results["capped"]["messages"]) == 2 and results["capped"]["capped"]
+    assert results["empty1"]["status"] == "empty" and results["empty1"]["messages"] == []
+    assert results["empty2"]["status"] == "ok" and results["empty2"]["empty_outputs"] == 1
+    assert results["empty2"]["messages"] == [{"role": "user", "content": "f1"}, {"role": "assistant", "content": "F1"}]
+    assert results["long"]["status"] == "too_long" and results["long"]["new_tokens"] == 0
 
 
 class FakeStreamingEngine:
