@@ -512,7 +512,8 @@ def fidelity_check(cache: HiddenCache, model, indices, decisive_margin: float = 
             for name, c, f in zip(err, cached, fresh):
                 err[name].append(float((c.to(f) - f).norm() / f.norm()))
     return {"tokens": total, "argmax_agreement": agree / max(total, 1),
-            "decisive_tokens": decisive, "decisive_agreement": decisive_agree / max(decisive, 1),
+            "decisive_tokens": decisive,                    # None: no token was decisive (nothing to judge)
+            "decisive_agreement": decisive_agree / decisive if decisive else None,
             "relative_error": {name: sum(v) / len(v) for name, v in err.items()}}
 
 

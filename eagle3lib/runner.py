@@ -27,6 +27,7 @@ from .layout import RunLayout
 from .params import Params, ParamsError, check_run_name, dump, load_params, repo_root, resolve_path
 from .plan import capacity_plan, measured_stats
 from .progress import INTERVAL_ENV, PROGRESS_ENV
+from .regenerate import resolve_backend as resolve_regen_backend
 from .report import git_commit, machine_info, write_index
 
 # Stage name -> notebook file (execution order).
@@ -114,11 +115,24 @@ def record_run(p: Params, layout: RunLayout, params_file: str) -> None:
                                            "machine": machine_info()})
 
 
+# Fixed costs the capacity plan (pure throughput) leaves out, measured on the 2-core CPU (NOTES.md):
+# a notebook kernel with the library imported (the research stage, which computes nothing, takes
+# 15-20 s) and one vLLM engine start (bench/extract.py: 42.9 s).
+KERNEL_START_S, VLLM_START_S = 15.0, 45.0
+
+
+def startup_seconds(starts_vllm: bool) -> float:
+    return KERNEL_START_S + (VLLM_START_S if starts_vllm else 0.0)
+
+
 def expected_seconds(p: Params, layout: RunLayout) -> dict:
     """{stage: (seconds, basis)}: this run folder's last wall time of the stage, else the capacity
     plan's hours for regeneration (data), extraction and training; stages with neither are absent."""
     plan = capacity_plan(p, measured_stats(layout), memory=False, layout=layout)   # hours only: no meta-device run
-    out = {stage: (plan[key] * 3600, f"capacity plan, throughput {plan['throughput_basis']}")
+    vllm_starts = {"data": p.data.regenerate and resolve_regen_backend(p) == "vllm",
+                   "extract": p.extract.backend == "vllm", "train": False}
+    out = {stage: (plan[key] * 3600 + startup_seconds(vllm_starts[stage]),
+                   f"capacity plan, throughput {plan['throughput_basis']}, plus start-up")
            for stage, key in (("data", "regen_hours"), ("extract", "extract_hours"), ("train", "train_hours"))}
     if p.train.time_budget_minutes is not None:
         out["train"] = (min(out["train"][0], 60 * p.train.time_budget_minutes), "train.time_budget_minutes")

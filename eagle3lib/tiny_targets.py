@@ -28,6 +28,7 @@ per-expert weight_packed / weight_scale / weight_shape tensors by hand is the wa
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -48,6 +49,8 @@ REMOTE_CODE_FILE = "modeling_mini_kimi.py"
 # config.json keys vLLM's DeepSeek-V3 reads and DeepseekV3Config drops on save (values of Kimi-K2.5).
 VLLM_ROUTER_KEYS = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 # Shape of the miniature (the text model); params profiles state it as target.shape.
+# Kimi-K2.5's (and DeepSeek-V3's) MLA latent sizes, kept in the miniature (see mini_kimi_config).
+MLA_LATENT = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
 MINI_KIMI_SHAPE = {"num_hidden_layers": 8, "hidden_size": 256, "vocab_size": 49152,
                    "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 4}
 
@@ -60,7 +63,11 @@ def mini_kimi_config(vocab_size: int, bos_token_id: int, eos_token_id: int, pad_
         vocab_size=vocab_size, hidden_size=s["hidden_size"], num_hidden_layers=s["num_hidden_layers"],
         intermediate_size=s["intermediate_size"],            # the dense layer(s)' MLP
         num_attention_heads=s["num_attention_heads"], num_key_value_heads=s["num_key_value_heads"],
-        q_lora_rank=96, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+        # MLA at Kimi-K2.5's latent sizes: vLLM's CPU MLA kernel (0.32) compiles only for a latent
+        # cache of kv_lora_rank + qk_rope_head_dim = 512 + 64 = 576 ("Head dimension 80 is not
+        # supported by MLA" with 64 + 16); the heads themselves stay small.
+        q_lora_rank=96, kv_lora_rank=MLA_LATENT["kv_lora_rank"], qk_rope_head_dim=MLA_LATENT["qk_rope_head_dim"],
+        qk_nope_head_dim=64, v_head_dim=64,
         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=128,
         n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.827, norm_topk_prob=True,
         max_position_embeddings=4096,
@@ -110,13 +117,26 @@ def _add_vllm_router_keys(config_file: Path, wrapped: bool):
     config_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
+def recipe(wrapped: bool) -> dict:
+    """What a built miniature depends on: a folder built from another recipe (e.g. before the MLA
+    latent sizes changed) is rebuilt, not reused."""
+    cfg = mini_kimi_config(MINI_KIMI_SHAPE["vocab_size"], 0, 0, 0).to_dict()
+    blob = json.dumps({"config": cfg, "seed": SEED, "lm_head_scale": LM_HEAD_SCALE,
+                       "router": VLLM_ROUTER_KEYS, "wrapped": wrapped}, sort_keys=True, default=str)
+    return {"builder": "eagle3lib.tiny_targets.build_mini_kimi", "seed": SEED, "wrapped": wrapped,
+            "dtype": "float32", "recipe_sha256": hashlib.sha256(blob.encode()).hexdigest()}
+
+
 def build_mini_kimi(out: Path, tokenizer_dir: Path, wrapped: bool = False) -> Path:
-    """Write the miniature to `out` once (atomic; a finished folder carries DONE_MARKER).
+    """Write the miniature to `out` once (atomic; a finished folder carries DONE_MARKER with the
+    recipe it was built from; another recipe's folder is rebuilt).
     tokenizer_dir: a folder with SmolLM2's tokenizer (e.g. the materialised embedded target)."""
     out = Path(out)
-    if (out / DONE_MARKER).is_file():
+    want = recipe(wrapped)
+    marker = out / DONE_MARKER
+    if marker.is_file() and json.loads(marker.read_text()).get("recipe_sha256") == want["recipe_sha256"]:
         return out
-    if out.exists():            # unfinished folder without the marker
+    if out.exists():            # unfinished, or built from another recipe
         remove_tree(out, under=out.parent)
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     lm = mini_kimi_lm(tok)
@@ -127,6 +147,5 @@ def build_mini_kimi(out: Path, tokenizer_dir: Path, wrapped: bool = False) -> Pa
         _add_vllm_router_keys(tmp / "config.json", wrapped)
         if wrapped:
             shutil.copyfile(Path(__file__).with_name("mini_kimi_modeling.py"), tmp / REMOTE_CODE_FILE)
-        (tmp / DONE_MARKER).write_text(json.dumps({"builder": "eagle3lib.tiny_targets.build_mini_kimi",
-                                                   "seed": SEED, "wrapped": wrapped, "dtype": "float32"}))
+        (tmp / DONE_MARKER).write_text(json.dumps(want))
     return out

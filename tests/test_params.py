@@ -14,7 +14,7 @@ def write(tmp_path: Path, text: str, name="p.yaml") -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", ["ci", "local", "b300"])
+@pytest.mark.parametrize("name", sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "params").glob("*.yaml")))
 def test_shipped_profiles_load(name):
     p = load_params(f"params/{name}.yaml")
     assert p.run_name == name

@@ -190,3 +190,22 @@ def test_plan_uses_the_runs_measured_rates_of_the_same_backend(tmp_path):
     other = load_params("params/ci.yaml", {"output_dir": str(tmp_path), "extract": {"backend": "vllm"}})
     plan = capacity_plan(other, memory=False)                 # the run measured the hf backend
     assert plan["extract_rate_basis"].startswith("assumed") and plan["extract_tokens_per_s"] != 1234.5
+
+
+def test_expected_stage_times_add_the_start_up_the_plan_leaves_out(tmp_path):
+    """The runner's "expected ~N s" adds a kernel start to every stage and a vLLM engine start to
+    the stages that start one (mini-kimi: both; ci: neither); a run folder's own last times win."""
+    from eagle3lib.layout import RunLayout
+    from eagle3lib.runner import KERNEL_START_S, VLLM_START_S, expected_seconds
+    ci, kimi = load_params("params/ci.yaml"), load_params("params/mini-kimi.yaml")
+    layout = RunLayout(tmp_path / "run")
+    plan = capacity_plan(kimi, None, memory=False, layout=layout)
+    got = expected_seconds(kimi, layout)
+    assert got["data"][0] == pytest.approx(plan["regen_hours"] * 3600 + KERNEL_START_S + VLLM_START_S)
+    assert got["extract"][0] == pytest.approx(plan["extract_hours"] * 3600 + KERNEL_START_S + VLLM_START_S)
+    assert got["train"][0] == pytest.approx(plan["train_hours"] * 3600 + KERNEL_START_S)
+    ci_plan = capacity_plan(ci, None, memory=False, layout=layout)
+    assert expected_seconds(ci, layout)["extract"][0] == pytest.approx(ci_plan["extract_hours"] * 3600 + KERNEL_START_S)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.json").write_text(json.dumps({"runner": {"stage_seconds": {"extract": 123.0}}}))
+    assert expected_seconds(kimi, layout)["extract"] == (123.0, "this run folder's last run")

@@ -1,0 +1,153 @@
+"""The big box's path on the tiny Kimi-architecture target (tiny_targets.py: DeepSeek-V3 MLA + MoE,
+noaux_tc sigmoid routing, yarn rope), end to end on this CPU, stage by stage as params/mini-kimi.yaml
+runs it: vLLM regenerates the answers, vLLM extracts the hidden states (equal to the HF backend's),
+2 torchrun processes train the drafter with FSDP, the export loads, and eagle3lib's speculative
+decoding with it is lossless at T=0 against the MoE target.
+
+The module shares one run (two vLLM engine starts of ~30-90 s each on the 2-core CPU). What stays
+a GPU-only check: vLLM's own `eagle3` speculative method against an MLA target (README, 05)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from eagle3lib import evaluate as ev
+from eagle3lib.cache import HiddenCache
+from eagle3lib.data import load_processed, prepare_data
+from eagle3lib.decode import greedy_generate
+from eagle3lib.export import export_vllm, load_export
+from eagle3lib.extract import extract_hidden_states
+from eagle3lib.params import load_params
+from eagle3lib.regenerate import load_results, regen_key
+from eagle3lib.target import load_target, load_target_tensors, load_tokenizer
+from eagle3lib.tiny_targets import MINI_KIMI_SHAPE, build_mini_kimi
+from eagle3lib.train import torchrun_command
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[1]
+OVERRIDES = {"data": {"num_train": 8, "num_eval": 3, "regen_max_new_tokens": 12},
+             "train": {"max_steps": 6, "checkpoint_every": 3},
+             "eval": {"num_prompts": 2, "max_new_tokens": 12}}
+
+
+@pytest.fixture(scope="module")
+def kimi_dir(tmp_path_factory, smollm2_dir) -> Path:
+    return build_mini_kimi(tmp_path_factory.mktemp("models") / "mini-kimi", smollm2_dir)
+
+
+def write_params(root: Path, kimi_dir: Path, extra: dict) -> Path:
+    """A profile inheriting params/mini-kimi.yaml with the target built here and a smaller run."""
+    params = {"inherit": str(ROOT / "params" / "mini-kimi.yaml"), "run_name": "mk", "output_dir": str(root),
+              "target": {"path": str(kimi_dir)}}
+    for section, values in {**OVERRIDES, **extra}.items():
+        params[section] = {**params.get(section, {}), **values}
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, kimi_dir):
+    """Data (vLLM regeneration) and extraction (vLLM backend) of the mini-kimi profile."""
+    path = write_params(tmp_path_factory.mktemp("mk"), kimi_dir, {})
+    P = load_params(path)
+    assert P.data.regen_backend == "vllm" and P.extract.backend == "vllm"     # what the profile states
+    stats = prepare_data(P, P.run_dir(), progress=False)
+    extracted = {split: extract_hidden_states(P, P.layout(), split, progress=False) for split in ("train", "eval")}
+    return path, P, stats, extracted
+
+
+def test_vllm_regeneration_equals_the_targets_greedy_answer(run, kimi_dir):
+    """The regenerated first answers are the MoE target's own greedy continuation in transformers
+    (vLLM fp32 = HF fp32 on MLA + noaux_tc MoE)."""
+    _, P, stats, _ = run
+    assert stats.regen.backend == "vllm" and stats.train.conversations == OVERRIDES["data"]["num_train"]
+    tok = load_tokenizer(kimi_dir)
+    target = load_target(kimi_dir, "float32")
+    results = [r for r in load_results(P.layout().regen(regen_key(P))).values() if r["status"] == "ok"]
+    assert len(results) >= OVERRIDES["data"]["num_train"]
+    for r in sorted(results, key=lambda r: r["id"])[:3]:
+        first = next(i for i, m in enumerate(r["messages"]) if m["role"] == "assistant")
+        text = tok.apply_chat_template(r["messages"][:first], tokenize=False, add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        greedy, _ = greedy_generate(target, ids, OVERRIDES["data"]["regen_max_new_tokens"],
+                                    eos_token_id=tok.eos_token_id)
+        assert tok.decode(greedy, skip_special_tokens=True) == r["messages"][first]["content"], r["id"]
+
+
+def test_vllm_extraction_equals_hf_extraction_on_the_kimi_target(run, tmp_path, kimi_dir):
+    """Same tokens and masks, states within fp32 tolerance, and the target head's argmax on the
+    cached final state agrees with HF's on >= 99 % of decisive tokens (top-1 leads by > 0.5)."""
+    path, P, _, extracted = run
+    P_hf = load_params(path, overrides={"extract": {"backend": "hf"}, "output_dir": str(tmp_path)})
+    dataset = load_processed(P.run_dir(), "train")
+    hf = extract_hidden_states(P_hf, P_hf.layout(), "train", dataset=dataset, progress=False)
+    assert extracted["train"]["complete"] and hf["complete"]
+    assert extracted["train"]["bytes_total"] == hf["bytes_total"]
+    vc, hc = HiddenCache(P.layout().hidden("train")), HiddenCache(P_hf.layout().hidden("train"))
+    assert vc.aux_layers == hc.aux_layers == [1, 4, 6] and len(vc) == len(hc) == len(dataset)
+    head = load_target_tensors(kimi_dir)["lm_head"].float()                          # [V, H]
+    worst = {"aux": 0.0, "final": 0.0}
+    agree = decisive = 0
+    for i in range(len(hc)):
+        v, h = vc.get(i), hc.get(i)
+        assert torch.equal(v["input_ids"], h["input_ids"]) and torch.equal(v["loss_mask"], h["loss_mask"])
+        assert v["final"].shape == (len(v["input_ids"]), MINI_KIMI_SHAPE["hidden_size"])
+        for name in worst:
+            worst[name] = max(worst[name], float((v[name] - h[name]).norm() / h[name].norm()))
+        top2 = (h["final"].float() @ head.T).topk(2, dim=-1)
+        clear = (top2.values[:, 0] - top2.values[:, 1]) > 0.5
+        got = (v["final"].float() @ head.T).argmax(-1)
+        decisive += int(clear.sum())
+        agree += int(((got == top2.indices[:, 0]) & clear).sum())
+    assert worst["aux"] < 1e-3 and worst["final"] < 1e-3, worst        # fp32 both sides (bf16 would be ~1e-2)
+    assert decisive > 100 and agree / decisive >= 0.99, (agree, decisive)
+
+
+@pytest.fixture(scope="module")
+def trained(run):
+    """04's training as the notebook launches it: torchrun, 2 gloo processes, FSDP."""
+    path, P, _, _ = run
+    cmd = torchrun_command(path, None, 2) + ["--no-progress"]
+    res = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
+    assert res.returncode == 0, f"{cmd}:\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
+    return json.loads((P.layout().train / "summary.json").read_text())
+
+
+def test_two_process_fsdp_training_on_the_kimi_cache(trained, run):
+    P = run[1]
+    assert trained["world_size"] == 2 and trained["steps"] == OVERRIDES["train"]["max_steps"]
+    history = json.loads((P.layout().train / "history.json").read_text())
+    assert [r["step"] for r in history] == list(range(1, OVERRIDES["train"]["max_steps"] + 1))
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in history)
+    assert history[-1]["loss"] < history[0]["loss"]
+
+
+def test_export_decodes_losslessly_against_the_moe_target(trained, run):
+    """05's path with the reference decoder: the exported drafter (what vLLM reads) proposes, the
+    MLA + MoE target verifies, and every output equals plain greedy decoding in fp32 at T=0."""
+    P = run[1]
+    L = P.layout()
+    setup = ev.load_eval_setup(P, P.run_dir())
+    assert setup.reference_skip is None and len(setup.decoder_prompts) >= 1
+    export_dir = export_vllm(ev.trained_drafter_dir(L), L.export, setup.target_dir, layout="speculators", k=3)
+    cfg = json.loads((export_dir / "config.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 4, 6]
+    drafter = load_export(export_dir, setup.target_dir)
+    methods = [ev.eagle3_method(drafter, 3), ev.ngram_method(3, 1, 3)]
+    per_prompt, outputs = ev.run_decoder_eval(setup.target, setup.decoder_prompts, methods, 12,
+                                              eos_token_id=setup.eos, progress=False)
+    assert "NOT" not in ev.check_lossless(per_prompt, P)
+    eagle = per_prompt[per_prompt["method"] == "eagle3_k3"]
+    assert eagle["lossless"].all() and len(eagle) == len(setup.decoder_prompts)
+    assert outputs["eagle3_k3"] == outputs[ev.PLAIN] and all(len(o) > 0 for o in outputs[ev.PLAIN])
