@@ -165,3 +165,37 @@ def test_ambiguous_or_missing_text_decoder_is_a_clear_error(kimi_model):
         ex.find_text_decoder(kimi_model, num_layers=5, hidden_size=256)
     dec = ex.find_text_decoder(kimi_model, 8, 256)
     assert dec.path == "model" and dec.norm is kimi_model.model.norm and dec.layers is kimi_model.model.layers
+
+
+def test_extraction_runs_the_root_forward_so_quantization_hooks_apply(kimi_dir, kimi_model, dataset, tmp_path):
+    """An INT4 pack-quantized checkpoint (compressed-tensors) is decompressed by a hook on the ROOT
+    model; a capture that calls the inner decoder directly meets layers without weights ("'Linear'
+    object has no attribute 'weight'"). Simulated here: one MLA projection's weight is removed and
+    a forward pre-hook on the root model puts it back (and takes it away again after)."""
+    reference = extract(kimi_dir, tmp_path / "plain", dataset, kimi_model)
+    proj = kimi_model.model.layers[1].self_attn.o_proj
+    weight = proj.weight
+    calls = []
+
+    def decompress(module, args, kwargs):
+        proj.weight = weight
+        calls.append(1)
+
+    def recompress(module, args, kwargs, output):
+        del proj.weight
+
+    del proj.weight
+    hooks = [kimi_model.register_forward_pre_hook(decompress, with_kwargs=True),
+             kimi_model.register_forward_hook(recompress, with_kwargs=True, always_call=True)]
+    try:
+        with pytest.raises(AttributeError):            # the inner decoder alone cannot run
+            kimi_model.model(torch.tensor([[1, 2, 3]]))
+        hooked = extract(kimi_dir, tmp_path / "hooked", dataset, kimi_model)
+    finally:
+        for h in hooks:
+            h.remove()
+        proj.weight = weight
+    assert calls and len(hooked) == len(reference)
+    for i in range(len(reference)):
+        torch.testing.assert_close(hooked.get(i)["final"], reference.get(i)["final"], rtol=0, atol=0)
+        torch.testing.assert_close(hooked.get(i)["aux"], reference.get(i)["aux"], rtol=0, atol=0)
