@@ -592,8 +592,12 @@ def test_eval_prompts_file(tmp_path, ci_params):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_regenerate_vllm_subprocess(smollm2_dir, tmp_path):
-    """The vLLM backend (a `python -m eagle3lib.regenerate` subprocess) on the real target."""
+def test_regenerate_vllm_subprocess(smollm2_dir, tmp_path, capsys, monkeypatch):
+    """The vLLM backend (a `python -m eagle3lib.regenerate` subprocess) on the real target. Under
+    the headless runner (text progress) its [regen] progress lines reach stderr, the stream the
+    runner shows in the terminal."""
+    from eagle3lib.progress import PROGRESS_ENV
+    monkeypatch.setenv(PROGRESS_ENV, "text")
     overrides = {"target": {"path": str(smollm2_dir), "dtype": "bfloat16"}, "output_dir": str(tmp_path),
                  "data": {"regenerate": True, "regen_backend": "vllm", "regen_max_new_tokens": 12,
                           "regen_batch_size": 2, "max_length": 128, "regen_max_turns": 2}}
@@ -609,6 +613,8 @@ def test_regenerate_vllm_subprocess(smollm2_dir, tmp_path):
     run_dir = tmp_path / "run"
     kept, stats = regenerate_chats(P, run_dir, chats, progress=False)
     assert stats["backend"] == "vllm" and stats["regenerated"] == 3 and stats["kept"] == 3
+    relayed = [l for l in capsys.readouterr().err.splitlines() if l.startswith("[regen]")]
+    assert relayed[0].startswith("[regen] vLLM: 3 chats") and relayed[-1].startswith("[regen] 3/3 chats"), relayed
     results = results_by_id(regen_dir(P, run_dir))
     essay = results["essay"]
     assert essay["capped"] and essay["new_tokens"] == 12 and essay["messages"][-1]["capped"]
