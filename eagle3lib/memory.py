@@ -14,8 +14,9 @@ Two kinds of figure, each marked:
 - assumed (formula): what the trainer holds outside one step, from parameter counts and the
   sharding it is meant to use on a GPU box (FSDP2 over train.nproc ranks): fp32 master weights,
   fp32 gradients and AdamW's two fp32 moments, all sharded; the frozen target embedding in bf16,
-  sharded; bf16 copies of the two largest FSDP units gathered at once (the one computing and the
-  one prefetched), FSDP units being the drafter's top-level modules; the unsharded bf16 gradient of
+  sharded; bf16 copies of the gathered FSDP units as train.shard_objective lays them out (the
+  decoder layer and the drafter's own unit, final norm + lm_head, stay gathered through all TTT
+  steps; the embedding or fc is gathered on top while it computes); the unsharded bf16 gradient of
   the largest trainable unit before its reduce-scatter; the target head the loss uses
   (objective.TargetHead) on every rank.
 
@@ -329,15 +330,27 @@ def unit_sizes(drafter: Eagle3Drafter) -> dict:
     return out
 
 
+# The FSDP2 units train.shard_objective gathers only while they compute (they reshard after each
+# call); every other parameter (decoder layer, final norm, lm_head) stays gathered through the step.
+TRANSIENT_UNITS = ("embed_tokens", "fc")
+
+
+def gathered_parameters(units: dict) -> int:
+    """Parameters gathered at the step's worst moment: the units held through all TTT steps plus
+    the largest transient unit (units: unit_sizes())."""
+    held = sum(total for name, (total, _) in units.items() if name not in TRANSIENT_UNITS)
+    return held + max(units[name][0] for name in TRANSIENT_UNITS if name in units)
+
+
 def state_items(P: Params, drafter: Eagle3Drafter, compute_bytes: int) -> list:
     """The formula items: sharded master weights, gradients, AdamW moments, the frozen embedding,
     gathered units, one unit's unsharded gradient, the target head."""
     n = P.train.nproc
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in drafter.parameters() if not p.requires_grad)
-    units = sorted(unit_sizes(drafter).values(), reverse=True)
-    two_largest = sum(total for total, _ in units[:2])
-    largest_trainable = max(tr for _, tr in units)
+    units = unit_sizes(drafter)
+    gathered = gathered_parameters(units)
+    largest_trainable = max(tr for _, tr in units.values())
     V, H, Dv = drafter.config.vocab_size, drafter.config.hidden_size, drafter.config.draft_vocab_size
     head_bytes = 2 if P.target.dtype in ("bfloat16", "float16", "auto") else 4
     shard = lambda x: math.ceil(x / n)
@@ -346,8 +359,8 @@ def state_items(P: Params, drafter: Eagle3Drafter, compute_bytes: int) -> list:
         MemoryItem("gradients (fp32, sharded)", 4 * shard(trainable), ASSUMED, "reduce dtype fp32"),
         MemoryItem("AdamW moments (2 x fp32, sharded)", 8 * shard(trainable), ASSUMED, ""),
         MemoryItem("frozen embedding (sharded)", compute_bytes * shard(frozen), ASSUMED, f"{frozen:,} in the compute dtype"),
-        MemoryItem("gathered units (2 largest)", compute_bytes * two_largest, ASSUMED,
-                   "one computing + one prefetched, compute dtype"),
+        MemoryItem("gathered units", compute_bytes * gathered, ASSUMED,
+                   "decoder layer + norm/lm_head held through the TTT steps, + embedding or fc while it computes"),
         MemoryItem("unsharded gradient (largest unit)", compute_bytes * largest_trainable, ASSUMED,
                    "before its reduce-scatter"),
         MemoryItem("target head (TargetHead)", head_bytes * V * H + 4 * Dv * H, ASSUMED,

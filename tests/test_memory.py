@@ -110,3 +110,21 @@ def test_b300_fits_in_288_gb_per_gpu_with_20_percent_headroom():
         est = memory.estimate(P, seq)
         assert est.peak_bytes <= 0.8 * 288 * GB, memory.fit_problem(P, est)
     assert memory.check_fits(P) is not None
+
+
+def test_gathered_units_follow_the_fsdp_layout_of_the_trainer():
+    """train.shard_objective keeps the decoder layer and the drafter unit (norm + lm_head) gathered
+    through the TTT steps and gathers the embedding or fc on top while it computes: at Kimi shapes
+    midlayer + norm + lm_head + the embedding, not the two largest units."""
+    fake = {"embed_tokens": (100, 0), "fc": (10, 10), "midlayer": (50, 50), "norm": (1, 1), "lm_head": (30, 30)}
+    assert memory.gathered_parameters(fake) == 50 + 1 + 30 + 100
+    assert memory.gathered_parameters({**fake, "embed_tokens": (5, 0)}) == 50 + 1 + 30 + 10   # fc is then the larger
+    P = load_params("params/b300.yaml")
+    with torch.device("meta"):
+        drafter = Eagle3Drafter(memory.drafter_config(P))
+    units = memory.unit_sizes(drafter)
+    assert set(memory.TRANSIENT_UNITS) <= set(units) and "midlayer" in units and "lm_head" in units
+    est = memory.estimate(P, seq_len=2048)
+    item = next(i for i in est.items if i.name == "gathered units")
+    expected = units["midlayer"][0] + units["norm"][0] + units["lm_head"][0] + units["embed_tokens"][0]
+    assert item.bytes == 2 * expected                                        # bf16 compute copies
