@@ -28,7 +28,7 @@ import yaml
 from .chats import MalformedRecord, chat_hash, iter_raw_records, normalize_chat, path_sha256, sources_of, source_problem
 from .files import atomic_write_json, read_json
 from .layout import RunLayout
-from .params import Params
+from .params import Params, cpu_has_native_bf16
 from .stats import DataStats, load_stats as load_data_stats
 
 # Mean tokens of one ShareGPT conversation after the chat template (measured on SmolLM2's
@@ -42,6 +42,9 @@ REGEN_PROMPT_TOKENS = 120
 CPU_EXTRACT_TOKENS_PER_S = 3400      # bf16 forward with hidden states, SmolLM2, 8 x 256
 CPU_TRAIN_TOKENS_PER_S = 800         # drafter training goal/measure at ttt_steps 7 (H=576)
 CPU_REGEN_TOKENS_PER_S = 400         # vLLM CPU batched generation (SmolLM2), see NOTES.md
+# The same stages on an AVX2-only host (no native bf16, so `dtype: auto` computes in fp32): NOTES.md,
+# seventh session (bench/train.py, regeneration) and ninth session (the local profile's own run).
+AVX2_CPU_RATES = {"regen": 80, "extract": 500, "train": 207}
 
 # GPU assumptions for a big box (stated, not measured here).
 GPU_BF16_FLOPS = 2.25e15             # dense bf16 per B300-class GPU
@@ -233,9 +236,13 @@ def _rates(p: Params, shape: Shape, draft_p: float, measured: dict) -> tuple[dic
     assumptions' basis: this run's measured rates where it has them, else the stated constants."""
     steps = p.train.ttt_steps
     if shape.num_gpus == 0:  # this CPU: rates measured once on the 2-core CPU (NOTES.md), assumed here
-        assumed = {"regen": CPU_REGEN_TOKENS_PER_S, "extract": CPU_EXTRACT_TOKENS_PER_S,
-                   "train": CPU_TRAIN_TOKENS_PER_S * 7 / steps}
-        basis = "measured on the 2-core CPU"
+        if cpu_has_native_bf16():
+            assumed = {"regen": CPU_REGEN_TOKENS_PER_S, "extract": CPU_EXTRACT_TOKENS_PER_S,
+                       "train": CPU_TRAIN_TOKENS_PER_S * 7 / steps}
+            basis = "measured on the 2-core CPU with native bf16"
+        else:
+            assumed = {**AVX2_CPU_RATES, "train": AVX2_CPU_RATES["train"] * 7 / steps}
+            basis = "measured on the 2-core AVX2-only CPU (fp32)"
     else:  # FLOP-based: 2 FLOPs/param/token forward, x3 for training, per TTT step
         flops = shape.num_gpus * GPU_BF16_FLOPS
         train_flops_per_token = steps * 6 * draft_p + 2 * p.data.draft_vocab_size * shape.hidden_size

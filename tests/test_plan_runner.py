@@ -209,3 +209,18 @@ def test_expected_stage_times_add_the_start_up_the_plan_leaves_out(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.json").write_text(json.dumps({"runner": {"stage_seconds": {"extract": 123.0}}}))
     assert expected_seconds(kimi, layout)["extract"] == (123.0, "this run folder's last run")
+
+
+def test_cpu_rates_follow_the_host_kind(monkeypatch):
+    """An AVX2-only host (bf16 emulated, `auto` = fp32) runs ~5x slower than a native-bf16 host:
+    the planner's assumed CPU rates must be that host kind's (NOTES.md, seventh/ninth sessions)."""
+    from eagle3lib import plan as planner
+    P = load_params("params/local.yaml")
+    monkeypatch.setattr(planner, "cpu_has_native_bf16", lambda: True)
+    native = capacity_plan(P, None, memory=False)
+    monkeypatch.setattr(planner, "cpu_has_native_bf16", lambda: False)
+    avx2 = capacity_plan(P, None, memory=False)
+    assert native["extract_tokens_per_s"] == planner.CPU_EXTRACT_TOKENS_PER_S
+    assert avx2["extract_tokens_per_s"] == planner.AVX2_CPU_RATES["extract"]
+    assert avx2["regen_hours"] > 3 * native["regen_hours"] and avx2["train_hours"] > 3 * native["train_hours"]
+    assert "AVX2" in avx2["throughput_basis"] and "native bf16" in native["throughput_basis"]
