@@ -381,7 +381,9 @@ def _measured_row(domain: str, temperature: float, mode: dict, measured: dict) -
             "prompts": len(measured["outputs"]), "new_tokens": measured["num_new_tokens"],
             "tokens_per_s": measured["decode_tokens_per_s"], "acceptance_length": measured["acceptance_length"],
             "drafts": measured["num_drafts"], "accepted": measured["num_accepted"],
-            "per_position_acceptance": measured["per_position_acceptance"]}
+            "per_position_acceptance": measured["per_position_acceptance"],
+            # whether a repeat of the group's first (seeded) request gave the same tokens (None: not tried)
+            "seeded_repeat_equal": measured.get("seeded_repeat_equal")}
 
 
 def breadth_summary(vllm_raw: dict, groups: Sequence[dict], P) -> pd.DataFrame:
@@ -405,7 +407,8 @@ def breadth_summary(vllm_raw: dict, groups: Sequence[dict], P) -> pd.DataFrame:
 
 BREADTH_COLUMNS = {"domain": "domain", "temperature": "temperature T", "method": "method", "k": "k",
                    "prompts": "prompts", "new_tokens": "new tokens", "tokens_per_s": "decode tokens/s",
-                   "speedup": "speedup (x plain)", "acceptance_length": "acceptance length (tokens/round)"}
+                   "speedup": "speedup (x plain)", "acceptance_length": "acceptance length (tokens/round)",
+                   "seeded_repeat_equal": "seeded repeat reproduced"}
 
 
 def breadth_table(summary: pd.DataFrame) -> pd.DataFrame:
@@ -447,7 +450,9 @@ def breadth_metrics(summary: pd.DataFrame, groups: Sequence[dict], max_new_token
             "skipped_long_prompts": skipped.get(domain, 0),
             "methods": {r["method"]: {"k": int(r["k"]), "new_tokens": int(r["new_tokens"]),
                                       "tokens_per_s": float(r["tokens_per_s"]), "speedup": float(r["speedup"]),
-                                      "acceptance_length": float(r["acceptance_length"])}
+                                      "acceptance_length": float(r["acceptance_length"]),
+                                      "seeded_repeat_equal": None if r["seeded_repeat_equal"] is None
+                                      else bool(r["seeded_repeat_equal"])}
                         for _, r in rows.iterrows()}}
     return out
 

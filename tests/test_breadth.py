@@ -3,6 +3,7 @@ groups, their per-group spec-decode counts on a fake engine, the breadth table, 
 same-output check and its metrics.json key (vLLM itself: test_vllm_breadth.py)."""
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pandas as pd
@@ -97,10 +98,11 @@ def test_breadth_groups_cover_every_domain_and_temperature_but_the_main_run():
 class FakeEngine:
     """An engine whose spec-decode counters grow by a known amount per request; outputs carry
     token ids and first/last token times like vLLM's RequestOutput."""
-    def __init__(self, per_request):
+    def __init__(self, per_request, repeat_tokens=None):
         from vllm.v1.metrics.reader import Counter, Vector
         self.Counter, self.Vector = Counter, Vector
         self.per_request, self.calls, self.params = list(per_request), 0, []
+        self.repeat_tokens = repeat_tokens or [None] * len(per_request)   # fixed outputs per call
         self.totals = {name: 0 for name in SPEC_METRICS}
         self.per_pos = [0, 0]
 
@@ -112,7 +114,7 @@ class FakeEngine:
         self.totals["vllm:spec_decode_num_draft_tokens"] += 2 * drafts
         self.totals["vllm:spec_decode_num_accepted_tokens"] += accepted
         self.per_pos = [a + b for a, b in zip(self.per_pos, per_pos)]
-        tokens = [self.calls] * (drafts + accepted + 1)
+        tokens = self.repeat_tokens[self.calls - 1] or [self.calls] * (drafts + accepted + 1)
         metrics = SimpleNamespace(first_token_ts=10.0 * self.calls, last_token_ts=10.0 * self.calls + 0.5)
         return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens)], metrics=metrics)]
 
@@ -132,7 +134,8 @@ def test_each_group_counts_only_its_own_requests():
                       (50, 50, [25, 25]),                   # group A warm-up (not measured)
                       (4, 2, [2, 0]), (6, 3, [2, 1]),       # group A: 10 drafts, 5 accepted
                       (70, 70, [35, 35]),                   # group B warm-up
-                      (2, 2, [1, 1])])                      # group B: 2 drafts, 2 accepted
+                      (2, 2, [1, 1])],                      # group B: 2 drafts, 2 accepted
+                     repeat_tokens=[None, None, None, None, [9, 9, 9, 9, 9], [9, 9, 9, 9, 9]])
     spec = {"max_new_tokens": 16, "seed": 5}
     main = _measure(llm, ["m"], "greedy", False)
     a = _run_group(llm, spec, {"name": "A", "prompts": [[1], [2]], "temperature": 0.7}, sampling_params)
@@ -144,9 +147,11 @@ def test_each_group_counts_only_its_own_requests():
     assert [c["num_drafts"] for c in a["per_prompt"]] == [4, 6]
     assert (b["num_drafts"], b["num_accepted"], b["acceptance_length"]) == (2, 2, 2.0)
     assert a["num_new_tokens"] == 7 + 10 and a["decode_tokens_per_s"] == pytest.approx((17 - 2) / 1.0)
-    # request i of a group is seeded with seed + i, at the group's temperature; the warm-up with seed
-    assert [p["seed"] for p in llm.params[1:4]] == [5, 5, 6]
-    assert {p["temperature"] for p in llm.params[1:4]} == {0.7}
+    # request i of a group is seeded with seed + i, at the group's temperature; the warm-up repeats
+    # request 0 exactly, and whether its tokens came again is recorded
+    assert [p["seed"] for p in llm.params[1:4]] == [5, 5, 6] and llm.params[1] == llm.params[2]
+    assert {p["temperature"] for p in llm.params[1:4]} == {0.7} and llm.params[1]["max_tokens"] == 16
+    assert a["seeded_repeat_equal"] is False and b["seeded_repeat_equal"] is True
 
 
 # ---- the breadth table, verdict, same-output check and metrics -------------------------------------
@@ -164,12 +169,13 @@ GROUPS = [{"name": "humaneval@T0", "domain": "humaneval", "temperature": 0.0, "s
            "prompts": [{"id": "c0"}, {"id": "c1"}]}]
 
 
-def raw_result(eagle_code_outputs=((1, 2), (3, 4)), eagle_chat_sampled=((7,), (8,))):
+def raw_result(eagle_code_outputs=((1, 2), (3, 4)), eagle_chat_sampled=((7,), (8,)), eagle_sampled_repeat=True):
     """plain 10 tok/s on the main chats, 20 on code, 8 sampled; eagle3 and ngram faster or slower."""
     def mode(name, method, k, main, code, chat):
         return {"name": name, "method": method, "k": k, **main,
-                "groups": [{"name": "humaneval@T0", "temperature": 0.0, **code},
-                           {"name": "chat@T0.7", "temperature": 0.7, **chat}]}
+                "groups": [{"name": "humaneval@T0", "temperature": 0.0, "seeded_repeat_equal": True, **code},
+                           {"name": "chat@T0.7", "temperature": 0.7,
+                            "seeded_repeat_equal": eagle_sampled_repeat or method != "eagle3", **chat}]}
     code_plain = [[1, 2], [3, 4]]
     return {"log": "bench.log", "modes": [
         mode("plain", "plain", 0, measured([[5, 6]], 10.0), measured(code_plain, 20.0), measured([[7], [8]], 8.0)),
@@ -211,6 +217,10 @@ def test_breadth_verdict_names_the_winner_of_each_group():
     raw["modes"][1]["groups"][1]["decode_tokens_per_s"] = 4.0
     raw["modes"][2]["groups"][1]["decode_tokens_per_s"] = 6.0
     assert "chat, T=0.7: plain decoding wins" in V.breadth_verdict(ev.breadth_summary(raw, GROUPS, P))
+    # a method whose seeded repeat gave other tokens: the group is no valid measurement, no winner named
+    text = V.breadth_verdict(ev.breadth_summary(raw_result(eagle_sampled_repeat=False), GROUPS, P))
+    assert "chat, T=0.7: NOT A VALID MEASUREMENT for eagle3_k2: a repeat of a seeded request" in text
+    assert "chat, T=0.7: eagle3_k2 wins" not in text and "humaneval, T=0: eagle3_k2 wins" in text
 
 
 def test_breadth_same_output_is_asserted_at_t0_only():
@@ -233,7 +243,10 @@ def test_breadth_metrics_are_stored_under_their_own_key(tmp_path):
     code = breadth["groups"]["humaneval@T0"]
     assert code["skipped_long_prompts"] == 1 and code["prompts"] == 2
     assert code["methods"]["eagle3_k2"]["speedup"] == pytest.approx(2.5)
+    assert code["methods"]["eagle3_k2"]["seeded_repeat_equal"] is True
+    assert breadth["groups"]["chat@T0"]["methods"]["plain"]["seeded_repeat_equal"] is None   # the main run
     assert breadth["verdict"] == V.breadth_verdict(table)
+    json.dumps(breadth)                                                  # plain JSON for metrics.json
     setup = ev.EvalSetup(tmp_path, None, None, [{"id": "a"}], [], 0, [], reference_skip="too big")
     without = ev.eval_metrics(ev.empty_summary(), None, setup, tmp_path, eagle3="eagle3_k2", ngram="ngram_k2",
                               max_new_tokens=16)
