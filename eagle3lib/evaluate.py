@@ -363,7 +363,7 @@ def breadth_groups(P, setup: "EvalSetup") -> list:
     e = P.eval
     if not e.sample_temperatures and not e.domains:
         return []
-    sources = {CHAT: (setup.prompts[:e.breadth_prompts], 0)}
+    sources = {CHAT: (setup.prompts[:e.breadth_prompts], setup.skipped_prompts)}
     for domain in e.domains:
         sources[domain] = domain_prompts(domain, setup.tokenizer, e.breadth_prompts, e.max_prompt_tokens)
     groups = []
