@@ -23,11 +23,14 @@ def runs(smollm2_dir, tmp_path_factory):
     tok = load_tokenizer(smollm2_dir)
     chat = [render_prompt(tok, [{"role": "user", "content": "List three uses of Python, repeating the word Python."}])]
     code = [p["input_ids"] for p in domain_prompts("humaneval", tok, limit=2)[0]]
+    poem = [render_prompt(tok, [{"role": "user", "content": "Write a short poem about the sea."}])]
     base = {"target": str(smollm2_dir), "dtype": "float32", "prompts": chat, "max_new_tokens": MAX_NEW,
             "temperature": 0.0, "seed": 0,
             "modes": [mode("plain"), mode("ngram", 2, prompt_lookup_min=1, prompt_lookup_max=3)]}
     groups = [{"name": "chat@T0", "prompts": chat, "temperature": 0.0},
-              {"name": "humaneval@T0.7", "prompts": code, "temperature": 0.7}]
+              {"name": "humaneval@T0.7", "prompts": code, "temperature": 0.7},
+              # code stubs are nearly deterministic even at T=0.7; a poem at T=1 is not: the seed must matter
+              {"name": "poem@T1", "prompts": poem, "temperature": 1.0}]
     grouped = run_vllm({**base, "groups": groups}, workdir=tmp_path_factory.mktemp("grouped"), timeout=900)
     ungrouped = run_vllm({**base, "modes": base["modes"][1:]}, workdir=tmp_path_factory.mktemp("ungrouped"),
                          timeout=900)
@@ -38,8 +41,9 @@ def test_groups_have_the_grouped_shape(runs):
     grouped, _, raw = runs
     assert raw["platform"] in ("cpu", "cuda")
     for m in grouped.values():
-        assert [(g["name"], g["temperature"]) for g in m["groups"]] == [("chat@T0", 0.0), ("humaneval@T0.7", 0.7)]
-        for g, n in zip(m["groups"], (1, 2)):
+        assert [(g["name"], g["temperature"]) for g in m["groups"]] == [
+            ("chat@T0", 0.0), ("humaneval@T0.7", 0.7), ("poem@T1", 1.0)]
+        for g, n in zip(m["groups"], (1, 2, 1)):
             assert len(g["outputs"]) == n and len(g["per_prompt"]) == n and all(g["outputs"])
             assert g["num_new_tokens"] == sum(len(o) for o in g["outputs"])
             assert g["num_drafts"] == sum(c["num_drafts"] for c in g["per_prompt"])      # this group's only
@@ -61,6 +65,6 @@ def test_main_t0_outputs_equal_the_run_without_groups(runs):
 
 
 def test_seeded_sampling_is_reproducible_in_plain_decoding(runs):
+    """Planted fault shown caught: requests without their seed (seed=None) repeat differently."""
     grouped, _, _ = runs
-    sampled = grouped["plain"]["groups"][1]
-    assert sampled["seeded_repeat_equal"] is True
+    assert [g["seeded_repeat_equal"] for g in grouped["plain"]["groups"][1:]] == [True, True]
