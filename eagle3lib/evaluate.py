@@ -301,11 +301,15 @@ def per_position_table(summary):
 # ---------------------------------------------------------------------------------------------
 
 
-def vllm_modes(ngram: Sequence[tuple] = (), eagle3_dir=None, k: Optional[int] = None) -> list:
-    """vllm_bench modes: plain, each (k, min_n, max_n) n-gram setting, and eagle3 if a folder is given."""
+def vllm_modes(ngram: Sequence[tuple] = (), eagle3_dir=None, k: Optional[int] = None,
+               suffix_k: Optional[int] = None) -> list:
+    """vllm_bench modes: plain, each (k, min_n, max_n) n-gram setting, suffix decoding with up to
+    suffix_k tokens if given, and eagle3 if a folder is given."""
     modes = [mode("plain")]
     for nk, lo, hi in ngram:
         modes.append(mode("ngram", nk, name=ngram_name(nk, lo, hi), prompt_lookup_min=lo, prompt_lookup_max=hi))
+    if suffix_k is not None:
+        modes.append(mode("suffix", suffix_k))
     if eagle3_dir is not None:
         modes.append(mode("eagle3", k, name=f"eagle3_k{k}", model=str(eagle3_dir)))
     return modes
@@ -601,6 +605,10 @@ def ngram_metrics(summary, vllm_summary, setup: "EvalSetup", max_new_tokens: int
         if best is not None:
             out.update(best_ngram_vllm=best["method"], speedup_vllm_ngram=float(best["speedup"]),
                        acceptance_length_vllm_ngram=float(best["acceptance_length"]))
+        suffix = best_method(vllm_summary, "suffix")
+        if suffix is not None:
+            out.update(speedup_vllm_suffix=float(suffix["speedup"]),
+                       acceptance_length_vllm_suffix=float(suffix["acceptance_length"]))
     return out
 
 

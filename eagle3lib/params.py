@@ -194,6 +194,7 @@ class EvalParams:
     ngram_k: list = field(default_factory=lambda: [2, 4])
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    suffix_baseline: bool = True         # 01: vLLM's suffix decoding (arctic-inference) at k = eval.k beside n-gram
     use_vllm: bool = True
     vllm_dtype: str = "float32"
     vllm_prompts: Optional[int] = None   # None: same as num_prompts
@@ -515,6 +516,7 @@ def validate(p: Params) -> Params:
          "must be a non-empty list of ints >= 1")
     need(1 <= e.prompt_lookup_min <= e.prompt_lookup_max, "eval.prompt_lookup_min",
          "must satisfy 1 <= prompt_lookup_min <= prompt_lookup_max")
+    need(isinstance(e.suffix_baseline, bool), "eval.suffix_baseline", "must be true or false")
     need(e.max_prompt_tokens is None or e.max_prompt_tokens >= 1, "eval.max_prompt_tokens",
          "must be >= 1 (or null: no limit)")
     _check_breadth(e)

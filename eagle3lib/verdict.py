@@ -76,6 +76,13 @@ def ngram_verdict(summary, vllm_summary=None) -> str:
         lines.append(f"{head}; best {best['method']} at {best['speedup']:.2f}x plain "
                      f"({best['tokens_per_s']:.1f} vs {table.loc[table['method'] == PLAIN, 'tokens_per_s'].iloc[0]:.1f}"
                      f" decode tokens/s), acceptance length {best['acceptance_length']:.2f}.")
+        suffix = best_method(table, "suffix")
+        if suffix is not None:
+            ratio = suffix["tokens_per_s"] / best["tokens_per_s"]
+            word = "beats" if ratio >= 1 + TIE else "loses to" if ratio <= 1 - TIE else "ties with"
+            lines.append(f"{where}: suffix decoding ({suffix['method']}) {word} the best n-gram: {ratio:.2f}x its "
+                         f"decode tokens/s, acceptance length {suffix['acceptance_length']:.2f} vs "
+                         f"{best['acceptance_length']:.2f}.")
         lines += method_sentences(table, where)
     return "\n".join(lines)
 

@@ -16,7 +16,7 @@ The spec (a JSON object):
     prompts                list of prompts as token-id lists (chat template already applied, so
                            the reference decoder can read exactly the same ids)
     max_new_tokens         tokens per prompt
-    modes                  list of {"name": str, "method": "plain"|"ngram"|"eagle3", "k": int,
+    modes                  list of {"name": str, "method": "plain"|"ngram"|"suffix"|"eagle3", "k": int,
                            "prompt_lookup_min": int, "prompt_lookup_max": int (ngram),
                            "model": export folder (eagle3)}
     batched                false (default): one request at a time (batch size 1, the latency
@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import subprocess
@@ -64,7 +65,7 @@ from typing import Optional
 from .engine import build_kwargs
 from .files import atomic_write_json
 
-METHODS = ("plain", "ngram", "eagle3")
+METHODS = ("plain", "ngram", "suffix", "eagle3")
 SPEC_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                 "vllm:spec_decode_num_accepted_tokens")
 PER_POS_METRIC = "vllm:spec_decode_num_accepted_tokens_per_pos"
@@ -163,6 +164,11 @@ def _check_spec(spec: dict) -> None:
             raise ValueError(f"vLLM bench spec: mode {m!r} has no valid method ({', '.join(METHODS)})")
         if m["method"] == "eagle3" and not (Path(m.get("model", "")) / "config.json").is_file():
             raise FileNotFoundError(f"vLLM bench spec: eagle3 model {m.get('model')!r} has no config.json")
+        if m["method"] == "suffix" and importlib.util.find_spec("arctic_inference") is None:
+            raise ModuleNotFoundError(
+                f"vLLM bench spec: mode {m['name']!r}: vLLM's suffix method needs the arctic-inference "
+                f"package, which is not installed: run `make setup` (it builds arctic-inference 0.3.0), "
+                f"or set eval.suffix_baseline: false")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,6 +182,8 @@ def speculative_config(m: dict) -> Optional[dict]:
     if m["method"] == "ngram":
         return {"method": "ngram", "num_speculative_tokens": m["k"],
                 "prompt_lookup_max": m["prompt_lookup_max"], "prompt_lookup_min": m["prompt_lookup_min"]}
+    if m["method"] == "suffix":     # suffix decoding (arctic-inference's suffix tree), up to k tokens a round
+        return {"method": "suffix", "num_speculative_tokens": m["k"]}
     return {"method": "eagle3", "model": str(m["model"]), "num_speculative_tokens": m["k"]}
 
 
