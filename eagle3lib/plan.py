@@ -44,7 +44,7 @@ CPU_TRAIN_TOKENS_PER_S = 800         # drafter training goal/measure at ttt_step
 CPU_REGEN_TOKENS_PER_S = 400         # vLLM CPU batched generation (SmolLM2), see NOTES.md
 # The same stages on an AVX2-only host (no native bf16, so `dtype: auto` computes in fp32): NOTES.md,
 # seventh session (bench/train.py, regeneration) and ninth session (the local profile's own run).
-AVX2_CPU_RATES = {"regen": 80, "extract": 500, "train": 207}
+AVX2_CPU_RATES = {"regen": 80, "extract": 240, "train": 207}
 
 # GPU assumptions for a big box (stated, not measured here).
 GPU_BF16_FLOPS = 2.25e15             # dense bf16 per B300-class GPU
