@@ -30,6 +30,22 @@ def render_prompt(tokenizer, messages: list) -> list:
     return [int(t) for t in ids]
 
 
+def render_capped(items, tokenizer, limit: int, max_prompt_tokens: Optional[int]) -> tuple:
+    """items: (id, category, messages) in order. Returns ([{"id", "category", "input_ids"}], skipped):
+    the first `limit` rendered prompts of at most max_prompt_tokens tokens, and how many longer
+    ones were passed over."""
+    prompts, skipped = [], 0
+    for prompt_id, category, messages in items:
+        ids = render_prompt(tokenizer, messages)
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            skipped += 1
+            continue
+        prompts.append({"id": prompt_id, "category": category, "input_ids": ids})
+        if len(prompts) == limit:
+            break
+    return prompts, skipped
+
+
 def humaneval_records() -> list:
     """HumanEval's rows [{"task_id", "prompt", ...}] in task-id order (HumanEval/0, /1, ..., /163)."""
     try:
@@ -67,15 +83,8 @@ def domain_prompts(domain: str, tokenizer, limit: int, max_prompt_tokens: Option
     if domain not in DOMAINS:
         raise ValueError(f"unknown evaluation domain {domain!r} (known: {', '.join(DOMAINS)}); fix eval.domains")
     rows = humaneval_records() if records is None else records
-    prompts, skipped = [], 0
-    for r in rows:
-        ids = render_prompt(tokenizer, humaneval_messages(r["prompt"]))
-        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-            skipped += 1
-            continue
-        prompts.append({"id": r["task_id"], "category": domain, "input_ids": ids})
-        if len(prompts) == limit:
-            break
+    prompts, skipped = render_capped(((r["task_id"], domain, humaneval_messages(r["prompt"])) for r in rows),
+                                     tokenizer, limit, max_prompt_tokens)
     if not prompts:
         raise ValueError(f"no {domain} prompt left ({skipped} longer than eval.max_prompt_tokens="
                          f"{max_prompt_tokens}): raise eval.max_prompt_tokens")

@@ -42,7 +42,7 @@ import torch
 from .data import load_eval_prompts
 from .decode import (DecodeStats, Eagle3Proposer, NgramProposer, NoProposer, greedy_generate,
                      speculative_generate)
-from .domains import domain_prompts, render_prompt   # render_prompt: the chat template -> token ids
+from .domains import domain_prompts, render_capped, render_prompt   # render_prompt: the chat template -> token ids
 from .engine import engine_kwargs
 from .layout import RunLayout
 from .progress import tqdm
@@ -62,15 +62,8 @@ def eval_prompts(P, run_dir, tokenizer, limit: Optional[int] = None) -> tuple:
     counts the longer ones passed over."""
     limit = limit if limit is not None else P.eval.num_prompts
     cap = P.eval.max_prompt_tokens
-    prompts, skipped = [], 0
-    for r in load_eval_prompts(P, run_dir):
-        ids = render_prompt(tokenizer, r["messages"])
-        if cap is not None and len(ids) > cap:
-            skipped += 1
-            continue
-        prompts.append({"id": r["id"], "category": r.get("category") or "all", "input_ids": ids})
-        if len(prompts) == limit:
-            break
+    records = ((r["id"], r.get("category") or "all", r["messages"]) for r in load_eval_prompts(P, run_dir))
+    prompts, skipped = render_capped(records, tokenizer, limit, cap)
     if not prompts:
         raise ValueError(f"no held-out evaluation prompt left ({skipped} longer than eval.max_prompt_tokens="
                          f"{cap}): check the data stage / eval.prompts_path / eval.max_prompt_tokens")
