@@ -307,6 +307,7 @@ def capacity_plan(p: Params, stats: Optional[DataStats] = None, memory: bool = T
         "train_tokens_per_s": rates["train"][0],
         "train_rate_basis": rates["train"][1],
         "train_hours": tokens * epochs / rates["train"][0] / 3600,
+        "train_budget_hours": None if p.train.time_budget_minutes is None else p.train.time_budget_minutes / 60,
         "throughput_basis": basis,
         "gpu_memory_gb": p.train.gpu_memory_gb,
     }
@@ -338,6 +339,15 @@ def source_rows(plan: dict) -> list:
     return rows
 
 
+def budget_note(plan: dict) -> str:
+    """Where train.time_budget_minutes stops training before the planned tokens: how much of them it covers."""
+    budget = plan.get("train_budget_hours")
+    if budget is None or budget >= plan["train_hours"]:
+        return ""
+    return (f"; train.time_budget_minutes ({budget * 60:g} min) stops it after ~{budget / plan['train_hours']:.0%} "
+            f"of the planned tokens at this rate")
+
+
 def format_plan(plan: dict) -> str:
     rows = [
         ("target", plan["target"]),
@@ -356,7 +366,8 @@ def format_plan(plan: dict) -> str:
                          f"{plan['regen_hours']:.2f} h  [backend {plan['regen_backend']}; {plan['regen_rate_basis']}]"),
         ("extraction", f"{plan['extract_tokens_per_s']:,.0f} tok/s, {plan['extract_hours']:.2f} h  "
                        f"[backend {plan['extract_backend']}; {plan['extract_rate_basis']}]"),
-        ("training", f"{plan['train_tokens_per_s']:,.0f} tok/s, {plan['train_hours']:.2f} h  [{plan['train_rate_basis']}]"),
+        ("training", f"{plan['train_tokens_per_s']:,.0f} tok/s, {plan['train_hours']:.2f} h  [{plan['train_rate_basis']}]"
+                     + budget_note(plan)),
         ("throughput basis", plan["throughput_basis"]),
     ]
     rows += memory_rows(plan)

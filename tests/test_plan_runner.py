@@ -224,3 +224,7 @@ def test_cpu_rates_follow_the_host_kind(monkeypatch):
     assert avx2["extract_tokens_per_s"] == planner.AVX2_CPU_RATES["extract"]
     assert avx2["regen_hours"] > 3 * native["regen_hours"] and avx2["train_hours"] > 3 * native["train_hours"]
     assert "AVX2" in avx2["throughput_basis"] and "native bf16" in native["throughput_basis"]
+    share = P.train.time_budget_minutes / 60 / avx2["train_hours"]
+    assert f"stops it after ~{share:.0%} of the planned tokens" in format_plan(avx2)      # the user sees the cut
+    unlimited = capacity_plan(load_params("params/local.yaml", {"train": {"time_budget_minutes": None}}), None, memory=False)
+    assert "stops it" not in format_plan(unlimited)
