@@ -48,3 +48,9 @@ def tqdm(*args, **kwargs):
     kwargs.setdefault("maxinterval", max(interval, 10.0))
     kwargs.update(file=_Lines(sys.stderr), ascii=True, ncols=100, dynamic_ncols=False)
     return _text_tqdm(*args, **kwargs)
+
+
+def relay(line: str) -> None:
+    """Show a progress line of a subprocess (vLLM runs in one): on stderr under the headless runner,
+    which streams only the kernel's stderr to the terminal, else on stdout."""
+    print(line.rstrip(), file=sys.stderr if text_mode() else sys.stdout, flush=True)

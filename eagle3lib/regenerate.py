@@ -47,7 +47,7 @@ from typing import Callable, Optional
 from .engine import engine_kwargs
 from .files import atomic_write_bytes, atomic_write_json
 from .layout import RunLayout
-from .progress import text_mode, tqdm
+from .progress import relay, tqdm
 from .target import load_target, load_tokenizer, target_path
 from .vllm_bench import subprocess_env
 
@@ -364,12 +364,6 @@ class VLLMEngine:
         return done
 
 
-def relay_progress(line: str) -> None:
-    """Show a [regen] progress line of the vLLM subprocess: on stderr under the headless runner,
-    which streams only the kernel's stderr to the terminal (progress.text_mode), else on stdout."""
-    print(line.rstrip(), file=sys.stderr if text_mode() else sys.stdout, flush=True)
-
-
 def _run_vllm_subprocess(P, model_path: Path, chats: list[dict], out_dir: Path) -> None:
     """Run `python -m eagle3lib.regenerate` on `chats`; relays its [regen] lines, keeps a log.
     The engine settings come from engine.engine_kwargs (target.* engine keys)."""
@@ -394,7 +388,7 @@ def _run_vllm_subprocess(P, model_path: Path, chats: list[dict], out_dir: Path) 
             log.write(line)
             tail = (tail + [line.rstrip()])[-40:]
             if line.startswith("[regen]"):
-                relay_progress(line)
+                relay(line)
         rc = proc.wait()
     requests.unlink(missing_ok=True)
     if rc != 0:

@@ -58,12 +58,14 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Optional
 
 from .engine import build_kwargs
 from .files import atomic_write_json
+from .progress import relay
 
 METHODS = ("plain", "ngram", "suffix", "eagle3")
 SPEC_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
@@ -127,17 +129,44 @@ def run_vllm(spec: dict, workdir: Optional[str | os.PathLike] = None, timeout: O
     if out_path.exists():
         out_path.unlink()
     cmd = [sys.executable, "-m", "eagle3lib.vllm_bench", "--spec", str(spec_path), "--out", str(out_path)]
-    with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
-                              timeout=timeout, cwd=str(workdir))
-    if proc.returncode != 0 or not out_path.is_file():
+    returncode = _run_logged(cmd, workdir, log_path, timeout)
+    if returncode != 0 or not out_path.is_file():
         tail = "".join(open(log_path, errors="replace").readlines()[-40:])
-        raise RuntimeError(f"vLLM subprocess failed (exit {proc.returncode}); log {log_path}:\n{tail}")
+        raise RuntimeError(f"vLLM subprocess failed (exit {returncode}); log {log_path}:\n{tail}")
     result = json.loads(out_path.read_text())
     result["log"] = str(log_path)
     if not quiet:
         print(open(log_path).read())
     return result
+
+
+def _run_logged(cmd: list, workdir: Path, log_path: Path, timeout: Optional[float]) -> int:
+    """Run the child with its output in log_path; its [vllm_bench] lines (one per mode) are shown
+    as they come (progress.relay). Killed after `timeout` seconds (subprocess.TimeoutExpired)."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, cwd=str(workdir))
+        timed_out = threading.Event()
+
+        def kill() -> None:
+            timed_out.set()
+            proc.kill()
+
+        watchdog = threading.Timer(timeout, kill) if timeout else None
+        if watchdog:
+            watchdog.start()
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                if line.startswith("[vllm_bench]"):
+                    relay(line)
+            returncode = proc.wait()
+        finally:
+            if watchdog:
+                watchdog.cancel()
+    if timed_out.is_set():
+        raise subprocess.TimeoutExpired(cmd, timeout)
+    return returncode
 
 
 def _check_spec(spec: dict) -> None:

@@ -97,3 +97,21 @@ def test_run_holds_the_lock_lets_its_notebooks_in_and_releases_it_on_failure(tmp
     assert owner_pid == os.getpid() != kernel_pid            # the runner held it, the kernel entered
     assert layout.notebook("00_research").is_file()           # executed copy where the layout says
     assert not (layout.root / ".lock").exists() and LOCK_TOKEN_ENV not in os.environ
+
+
+def test_vllm_subprocess_progress_lines_reach_stderr_and_the_log(tmp_path, capsys, monkeypatch):
+    """vllm_bench's child runs for minutes per mode: under the headless runner (text progress) its
+    [vllm_bench] lines are relayed to stderr as they come (the terminal shows only stderr), every
+    line stays in the log, and a timeout still kills it."""
+    from eagle3lib import vllm_bench
+    from eagle3lib.progress import PROGRESS_ENV
+    monkeypatch.setenv(PROGRESS_ENV, "text")
+    child = [sys.executable, "-c", "print('INFO engine noise'); print('[vllm_bench] mode plain', flush=True); "
+             "print('[vllm_bench] plain: 12.0 tok/s'); raise SystemExit(3)"]
+    log = tmp_path / "log.txt"
+    assert vllm_bench._run_logged(child, tmp_path, log, timeout=60) == 3
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["[vllm_bench] mode plain", "[vllm_bench] plain: 12.0 tok/s"]
+    assert "INFO engine noise" in log.read_text() and "[vllm_bench] mode plain" in log.read_text()
+    with pytest.raises(subprocess.TimeoutExpired):
+        vllm_bench._run_logged([sys.executable, "-c", "import time; time.sleep(30)"], tmp_path, log, timeout=1)
