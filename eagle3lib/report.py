@@ -119,7 +119,7 @@ def fmt(value) -> str:
             return "-"
         if value and abs(value) < 1e-3:
             return f"{value:.3g}"                 # e.g. a threshold of 1e-08, not "0.000"
-        return f"{value:,.3f}" if abs(value) < 100 else f"{value:,.0f}"
+        return f"{value:,.3f}" if abs(value) < 10 else f"{value:,.1f}" if abs(value) < 100 else f"{value:,.0f}"
     if isinstance(value, int):
         return f"{value:,}"
     return str(value)

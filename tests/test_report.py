@@ -43,7 +43,7 @@ def test_index_page_shows_params_stage_times_headlines_plots_and_links(tmp_path)
     md = (run / "index.md").read_text()
     assert "abc123def456" in page and "Test CPU" in page                      # commit and machine
     assert "| train | held-out acceptance length, estimated | 1.200 |" in md     # a headline number
-    assert "| data | [02_data](02_data.html) ([ipynb](02_data.ipynb)) | 12.500 |" in md   # wall time, links
+    assert "| data | [02_data](02_data.html) ([ipynb](02_data.ipynb)) | 12.5 |" in md     # wall time, links
     assert '<a href="05_eval.html">05_eval</a>' in page
     assert "eagle3_k3 is 2.09x faster" in page                                # the verdict
     assert page.count("<img src=\"data:image/png;base64,") == 3              # curve, per position, speed
@@ -96,3 +96,10 @@ def test_runner_writes_the_index_after_every_stage_even_a_failed_one(tmp_path):
     assert "| data | train chats | 4,321 |" in md
     assert "lr: 0.0042" in (run / "index.html").read_text()
     assert any(line.startswith("[eagle3] data: 02_data.ipynb") and "expected ~" in line for line in lines)
+
+
+def test_numbers_keep_about_three_significant_digits():
+    from eagle3lib.report import fmt
+    assert [fmt(1.25), fmt(38.9), fmt(20.1), fmt(622.4), fmt(3043.9), fmt(1e-8), fmt(16542)] == \
+        ["1.250", "38.9", "20.1", "622", "3,044", "1e-08", "16,542"]
+    assert (fmt(None), fmt(True), fmt(float("nan"))) == ("-", "yes", "-")
