@@ -36,7 +36,6 @@ import argparse
 import hashlib
 import importlib.util
 import json
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -47,9 +46,9 @@ from typing import Callable, Optional
 from .engine import engine_kwargs
 from .files import atomic_write_bytes, atomic_write_json
 from .layout import RunLayout
-from .progress import relay, tqdm
+from .progress import tqdm
 from .target import load_target, load_tokenizer, target_path
-from .vllm_bench import subprocess_env
+from .vllm_bench import run_logged
 
 # generate(conversations, seeds) -> [(text, new_tokens, capped)]
 Generator = Callable[[list, list], list]
@@ -380,16 +379,7 @@ def _run_vllm_subprocess(P, model_path: Path, chats: list[dict], out_dir: Path) 
            "--engine", json.dumps(engine_kwargs(P, "regenerate", model_path,
                                                 max_model_len=d.max_length + d.regen_max_new_tokens))]
     log_path = out_dir / "vllm.log"
-    tail = []
-    with open(log_path, "a", encoding="utf-8") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=subprocess_env())
-        for line in proc.stdout:
-            log.write(line)
-            tail = (tail + [line.rstrip()])[-40:]
-            if line.startswith("[regen]"):
-                relay(line)
-        rc = proc.wait()
+    rc, tail = run_logged(cmd, log_path, "[regen]", append=True)
     requests.unlink(missing_ok=True)
     if rc != 0:
         raise RuntimeError(f"vLLM regeneration failed (exit {rc}); log: {log_path}\n" + "\n".join(tail))

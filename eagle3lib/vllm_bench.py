@@ -129,10 +129,9 @@ def run_vllm(spec: dict, workdir: Optional[str | os.PathLike] = None, timeout: O
     if out_path.exists():
         out_path.unlink()
     cmd = [sys.executable, "-m", "eagle3lib.vllm_bench", "--spec", str(spec_path), "--out", str(out_path)]
-    returncode = _run_logged(cmd, workdir, log_path, timeout)
+    returncode, tail = run_logged(cmd, log_path, "[vllm_bench]", timeout, cwd=workdir)
     if returncode != 0 or not out_path.is_file():
-        tail = "".join(open(log_path, errors="replace").readlines()[-40:])
-        raise RuntimeError(f"vLLM subprocess failed (exit {returncode}); log {log_path}:\n{tail}")
+        raise RuntimeError(f"vLLM subprocess failed (exit {returncode}); log {log_path}:\n" + "\n".join(tail))
     result = json.loads(out_path.read_text())
     result["log"] = str(log_path)
     if not quiet:
@@ -140,12 +139,15 @@ def run_vllm(spec: dict, workdir: Optional[str | os.PathLike] = None, timeout: O
     return result
 
 
-def _run_logged(cmd: list, workdir: Path, log_path: Path, timeout: Optional[float]) -> int:
-    """Run the child with its output in log_path; its [vllm_bench] lines (one per mode) are shown
-    as they come (progress.relay). Killed after `timeout` seconds (subprocess.TimeoutExpired)."""
-    with open(log_path, "w") as log:
+def run_logged(cmd: list, log_path: Path, progress_prefix: str, timeout: Optional[float] = None,
+               cwd: Optional[Path] = None, append: bool = False) -> tuple:
+    """Run a vLLM child process (environment: subprocess_env) with its output going to log_path;
+    its lines starting with `progress_prefix` are shown as they come (progress.relay). Killed after
+    `timeout` seconds (subprocess.TimeoutExpired). Returns (exit code, its last 40 output lines)."""
+    tail = []
+    with open(log_path, "a" if append else "w", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, cwd=str(workdir))
+                                text=True, cwd=str(cwd) if cwd else None)
         timed_out = threading.Event()
 
         def kill() -> None:
@@ -158,7 +160,8 @@ def _run_logged(cmd: list, workdir: Path, log_path: Path, timeout: Optional[floa
         try:
             for line in proc.stdout:
                 log.write(line)
-                if line.startswith("[vllm_bench]"):
+                tail = (tail + [line.rstrip()])[-40:]
+                if line.startswith(progress_prefix):
                     relay(line)
             returncode = proc.wait()
         finally:
@@ -166,20 +169,25 @@ def _run_logged(cmd: list, workdir: Path, log_path: Path, timeout: Optional[floa
                 watchdog.cancel()
     if timed_out.is_set():
         raise subprocess.TimeoutExpired(cmd, timeout)
-    return returncode
+    return returncode, tail
+
+
+def _token_id_lists(prompts) -> bool:
+    """Whether `prompts` is a non-empty list of non-empty token-id lists."""
+    return bool(prompts) and all(isinstance(p, list) and p for p in prompts)
 
 
 def _check_spec(spec: dict) -> None:
     for key in ("target", "prompts", "max_new_tokens", "modes"):
         if key not in spec:
             raise ValueError(f"vLLM bench spec: missing key {key!r}")
-    if not spec["prompts"] or not all(isinstance(p, list) and p for p in spec["prompts"]):
+    if not _token_id_lists(spec["prompts"]):
         raise ValueError("vLLM bench spec: prompts must be a non-empty list of non-empty token-id lists")
     for g in spec.get("groups", []):
         if set(g) != {"name", "prompts", "temperature"}:
             raise ValueError(f"vLLM bench spec: group {g.get('name')!r} needs exactly the keys name, prompts, "
                              f"temperature, got {sorted(g)}")
-        if not g["prompts"] or not all(isinstance(p, list) and p for p in g["prompts"]):
+        if not _token_id_lists(g["prompts"]):
             raise ValueError(f"vLLM bench spec: group {g['name']!r}: prompts must be a non-empty list of "
                              "non-empty token-id lists")
         if not g["temperature"] >= 0:

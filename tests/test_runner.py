@@ -109,9 +109,10 @@ def test_vllm_subprocess_progress_lines_reach_stderr_and_the_log(tmp_path, capsy
     child = [sys.executable, "-c", "print('INFO engine noise'); print('[vllm_bench] mode plain', flush=True); "
              "print('[vllm_bench] plain: 12.0 tok/s'); raise SystemExit(3)"]
     log = tmp_path / "log.txt"
-    assert vllm_bench._run_logged(child, tmp_path, log, timeout=60) == 3
+    returncode, tail = vllm_bench.run_logged(child, log, "[vllm_bench]", timeout=60, cwd=tmp_path)
+    assert returncode == 3 and tail == ["INFO engine noise", "[vllm_bench] mode plain", "[vllm_bench] plain: 12.0 tok/s"]
     err = capsys.readouterr().err.splitlines()
     assert err == ["[vllm_bench] mode plain", "[vllm_bench] plain: 12.0 tok/s"]
     assert "INFO engine noise" in log.read_text() and "[vllm_bench] mode plain" in log.read_text()
     with pytest.raises(subprocess.TimeoutExpired):
-        vllm_bench._run_logged([sys.executable, "-c", "import time; time.sleep(30)"], tmp_path, log, timeout=1)
+        vllm_bench.run_logged([sys.executable, "-c", "import time; time.sleep(30)"], log, "[vllm_bench]", timeout=1)
