@@ -162,28 +162,37 @@ def breadth_verdict(breadth) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def plot_speed_and_acceptance(summary, vllm_summary=None, title: str = ""):
-    """Bar charts: speedup versus plain (eagle3lib and vLLM) and mean acceptance length."""
+def grouped_speed_bars(series: list, keys: list, tick_labels: list, ylabels: tuple, title: str,
+                       rotation: float = 0, legend_size=None):
+    """Two bar charts side by side, speedup and acceptance length: one group of bars per x key, one
+    bar per series. series: [(label, {key: (speedup, acceptance_length)})]; a series may lack keys."""
     import matplotlib.pyplot as plt   # lazy: matplotlib is only needed when a notebook draws
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    tables = [("eagle3lib", summary)] + ([("vLLM", vllm_summary)] if vllm_summary is not None else [])
-    width = 0.8 / len(tables)
-    methods = list(dict.fromkeys(m for _, t in tables for m in t["method"]))
-    for j, (name, t) in enumerate(tables):
-        t = t.set_index("method")
-        xs = [i + j * width for i, m in enumerate(methods) if m in t.index]
-        ms = [m for m in methods if m in t.index]
-        axes[0].bar(xs, [t.loc[m, "speedup"] for m in ms], width, label=name)
-        axes[1].bar(xs, [t.loc[m, "acceptance_length"] for m in ms], width, label=name)
-    for ax, label in zip(axes, ("speedup vs plain (tokens/s ratio)", "mean acceptance length")):
-        ax.set_xticks([i + width * (len(tables) - 1) / 2 for i in range(len(methods))])
-        ax.set_xticklabels(methods, rotation=20)
-        ax.set_ylabel(label)
+    width = 0.8 / max(len(series), 1)
+    for j, (label, values) in enumerate(series):
+        present = [(i, key) for i, key in enumerate(keys) if key in values]
+        xs = [i + j * width for i, _ in present]
+        axes[0].bar(xs, [values[key][0] for _, key in present], width, label=label)
+        axes[1].bar(xs, [values[key][1] for _, key in present], width, label=label)
+    for ax, ylabel in zip(axes, ylabels):
+        ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(keys))])
+        ax.set_xticklabels(tick_labels, rotation=rotation)
+        ax.set_ylabel(ylabel)
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-        ax.legend()
+        ax.legend(fontsize=legend_size)
     fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def plot_speed_and_acceptance(summary, vllm_summary=None, title: str = ""):
+    """Bar charts: speedup versus plain (eagle3lib and vLLM) and mean acceptance length."""
+    tables = [("eagle3lib", summary)] + ([("vLLM", vllm_summary)] if vllm_summary is not None else [])
+    methods = list(dict.fromkeys(m for _, t in tables for m in t["method"]))
+    series = [(name, {r["method"]: (r["speedup"], r["acceptance_length"]) for _, r in t.iterrows()})
+              for name, t in tables]
+    return grouped_speed_bars(series, methods, methods, ("speedup vs plain (tokens/s ratio)", "mean acceptance length"),
+                              title, rotation=20)
 
 
 def plot_per_position(tables: dict, title: str = "per-position acceptance"):
@@ -206,24 +215,11 @@ def plot_per_position(tables: dict, title: str = "per-position acceptance"):
 def plot_breadth(breadth, title: str = "speculative decoding per domain and temperature (vLLM)"):
     """Grouped bars: speedup versus plain and acceptance length, one group of bars per (domain, T),
     one bar per speculative method."""
-    import matplotlib.pyplot as plt   # lazy: matplotlib is only needed when a notebook draws
     spec = breadth[breadth["method"] != PLAIN]
     keys = list(dict.fromkeys(zip(spec["domain"], spec["temperature"])))
-    methods = list(dict.fromkeys(spec["method"]))
-    width = 0.8 / max(len(methods), 1)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    for j, method in enumerate(methods):
-        rows = spec[spec["method"] == method].set_index(["domain", "temperature"])
-        xs = [i + j * width for i, key in enumerate(keys) if key in rows.index]
-        present = [key for key in keys if key in rows.index]
-        axes[0].bar(xs, [rows.loc[key, "speedup"] for key in present], width, label=method)
-        axes[1].bar(xs, [rows.loc[key, "acceptance_length"] for key in present], width, label=method)
-    for ax, label in zip(axes, ("speedup vs plain (decode tokens/s ratio)", "acceptance length (tokens/round)")):
-        ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(keys))])
-        ax.set_xticklabels([f"{d}\nT={t:g}" for d, t in keys])
-        ax.set_ylabel(label)
-        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-        ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    return fig
+    series = [(method, {(r["domain"], r["temperature"]): (r["speedup"], r["acceptance_length"])
+                        for _, r in spec[spec["method"] == method].iterrows()})
+              for method in dict.fromkeys(spec["method"])]
+    return grouped_speed_bars(series, keys, [f"{d}\nT={t:g}" for d, t in keys],
+                              ("speedup vs plain (decode tokens/s ratio)", "acceptance length (tokens/round)"),
+                              title, legend_size=8)
