@@ -42,8 +42,10 @@ REGEN_PROMPT_TOKENS = 120
 CPU_EXTRACT_TOKENS_PER_S = 3400      # bf16 forward with hidden states, SmolLM2, 8 x 256
 CPU_TRAIN_TOKENS_PER_S = 800         # drafter training goal/measure at ttt_steps 7 (H=576)
 CPU_REGEN_TOKENS_PER_S = 400         # vLLM CPU batched generation (SmolLM2), see NOTES.md
-# The same stages on an AVX2-only host (no native bf16, so `dtype: auto` computes in fp32): NOTES.md,
-# seventh session (bench/train.py, regeneration) and ninth session (the local profile's own run).
+# The same stages on an AVX2-only host (no native bf16, so `dtype: auto` computes in fp32), NOTES.md:
+# regeneration and extraction from the ninth session's fresh-clone `make pipeline` on the local
+# profile (75 and 237 tok/s, partly under load), training from the seventh session's
+# `bench/train.py --variants fp32-manual` (207 tok/s, ttt 7; that pipeline's 04 ran slower, unexplained).
 AVX2_CPU_RATES = {"regen": 80, "extract": 240, "train": 207}
 
 # GPU assumptions for a big box (stated, not measured here).
