@@ -10,7 +10,8 @@ outputs/<run>/
     train/           checkpoints/step-*/, final/ (config.json + model.safetensors), summary.json,
                      history.json, tensorboard/
     export/          the vLLM export of final/
-    eval/<name>/     vLLM benchmark work folders (vllm_ngram, vllm)
+    eval/<name>/     vLLM benchmark work folders (vllm_ngram, vllm, scaling)
+    scaling/n<N>/    06_scaling's points: data -> ../../data, hidden -> ../../hidden (links), train/, export/
     metrics.json     headline numbers, one section per stage (`runner`: stage times, commit, machine)
     params.yaml      the resolved profile of the last `eagle3 run`
     index.html/.md   the run's one-page report (report.py)
@@ -81,6 +82,11 @@ class RunLayout:
     @property
     def tensorboard(self) -> Path:
         return self.train / "tensorboard"
+
+    # ---- data-scaling study (06) ----
+    def scaling_point(self, n: int) -> Path:
+        """scaling/n<N>/: one study point's run folder (its data/ and hidden/ link to this run's)."""
+        return self.root / "scaling" / f"n{n:06d}"
 
     # ---- evaluation stage (05) and reports ----
     @property

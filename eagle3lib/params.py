@@ -117,6 +117,10 @@ class TrainParams:
     grad_clip: float = 0.5
     epochs: float = 1.0
     max_steps: Optional[int] = None      # stop after this many optimizer steps (None: epochs)
+    # Train on this many cached training sequences only: the first N of a seeded permutation of the
+    # usable ones, so a smaller N is a subset of a larger one (the data-scaling study, 06_scaling,
+    # trains nested subsets of one cache). None: all of them.
+    max_sequences: Optional[int] = None
     time_budget_minutes: Optional[float] = None  # stop cleanly when the budget is spent
     batch_tokens: int = 4096             # tokens per micro-batch (length-bucketed)
     grad_accum: int = 1
@@ -223,6 +227,19 @@ class EvalParams:
 
 
 @dataclass
+class ScalingParams:
+    # The data-scaling study (06_scaling, an optional stage: `eagle3 run --only scaling`, or part of a
+    # full run when sizes is set): one drafter per size N trained on N of this run's cached training
+    # chats (nested subsets, train.max_sequences) for `epochs` epochs with the profile's other train
+    # settings (train.max_steps and the time budget off: matched epochs), all scored on the same
+    # held-out cache (replayed acceptance) and, with vllm on, in one vLLM run (acceptance length, tokens/s).
+    sizes: list = field(default_factory=list)   # training chats per point, ascending; empty: no study
+    epochs: float = 2.0
+    vllm: bool = True
+    targets: list = field(default_factory=lambda: [2.5, 3.0])   # acceptance lengths to state the chats needed for
+
+
+@dataclass
 class Params:
     run_name: str = "default"
     seed: int = 0
@@ -233,6 +250,7 @@ class Params:
     extract: ExtractParams = field(default_factory=ExtractParams)
     train: TrainParams = field(default_factory=TrainParams)
     eval: EvalParams = field(default_factory=EvalParams)
+    scaling: ScalingParams = field(default_factory=ScalingParams)
 
     # ---- derived values -------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -291,7 +309,7 @@ class Params:
 
 
 SECTIONS = {"target": TargetParams, "data": DataParams, "extract": ExtractParams,
-            "train": TrainParams, "eval": EvalParams}
+            "train": TrainParams, "eval": EvalParams, "scaling": ScalingParams}
 
 CHOICES = {
     "target.dtype": {"bfloat16", "float16", "float32", "auto"},
@@ -494,6 +512,16 @@ def validate(p: Params) -> Params:
     need(t.num_workers >= 0, "train.num_workers", "must be >= 0 (0: read batches in the training process)")
     need(t.gpu_memory_gb is None or t.gpu_memory_gb > 0, "train.gpu_memory_gb", "must be > 0 (or null: no check)")
     need(t.eval_sequences >= 1, "train.eval_sequences", "must be >= 1")
+    need(t.max_sequences is None or t.max_sequences >= 1, "train.max_sequences", "must be >= 1 or null (all)")
+    sc = p.scaling
+    need(all(isinstance(n, int) and n >= 1 for n in sc.sizes) and list(sc.sizes) == sorted(set(sc.sizes)),
+         "scaling.sizes", f"must be distinct positive chat counts in ascending order, got {sc.sizes}")
+    need(not sc.sizes or p.data.num_train is None or sc.sizes[-1] <= p.data.num_train, "scaling.sizes",
+         f"the largest size {sc.sizes[-1] if sc.sizes else None} exceeds data.num_train={p.data.num_train} "
+         "(the study trains on subsets of this run's training chats)")
+    need(sc.epochs > 0, "scaling.epochs", "must be > 0")
+    need(all(isinstance(x, (int, float)) and x > 1 for x in sc.targets), "scaling.targets",
+         f"acceptance lengths must be > 1, got {sc.targets}")
     need(t.diverge_steps >= 0, "train.diverge_steps", "must be >= 0 (0: no divergence guard)")
     need(0 < t.diverge_uniform_rtol < 1, "train.diverge_uniform_rtol", "must be in (0, 1)")
     need(t.diverge_loss_rise > 1, "train.diverge_loss_rise", "must be > 1")

@@ -31,7 +31,7 @@ from .params import cpu_flags, cpu_has_native_bf16
 
 # Stage -> notebook stem, in pipeline order (the runner's STAGES, without the file suffix).
 NOTEBOOKS = {"research": "00_research", "ngram": "01_ngram_baseline", "data": "02_data",
-             "extract": "03_extract", "train": "04_train", "eval": "05_eval"}
+             "extract": "03_extract", "train": "04_train", "eval": "05_eval", "scaling": "06_scaling"}
 
 # The headline numbers: (metrics section, key, label with unit). One name per quantity:
 # "acceptance length" = tokens emitted per target forward (1 + accepted drafts), the number
@@ -183,7 +183,7 @@ def index_markdown(run: dict) -> str:
     lines += ["", "| stage | notebook | wall time (s) |", "|---|---|---|"]
     for stage, stem in NOTEBOOKS.items():
         lines.append(f"| {stage} | [{stem}]({stem}.html) ([ipynb]({stem}.ipynb)) | {fmt(times.get(stage))} |")
-    for section in ("ngram", "eval"):
+    for section in ("ngram", "eval", "scaling"):
         if m.get(section, {}).get("verdict"):
             lines += ["", f"## Verdict ({section})", "", "```", m[section]["verdict"], "```"]
     return "\n".join(lines) + "\n"

@@ -60,6 +60,7 @@ from .files import atomic_write_json, read_json, remove_tree, run_lock
 from .layout import RunLayout
 from .memory import check_fits
 from .model import Eagle3Config, Eagle3Drafter
+from .muon import Muon
 from .objective import Scoring, TTTObjective, add_feature_noise, build_scoring, evaluate, prepare_batch
 from .params import Params, TrainParams, load_params
 from .progress import tqdm
@@ -78,7 +79,7 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 
 def make_optimizers_for(model: nn.Module, t) -> list:
-    """AdamW on everything trainable; with train.optimizer == "muon", torch.optim.Muon on the
+    """AdamW on everything trainable; with train.optimizer == "muon", Muon (muon_optimizer) on the
     2-D weights of fc and the decoder layer (lm_head, norms stay on AdamW). t: TrainParams."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if t.optimizer == "muon":
@@ -87,9 +88,18 @@ def make_optimizers_for(model: nn.Module, t) -> list:
         is_muon = lambda n, p: p.dim() == 2 and ("midlayer." in n or n.endswith("fc.weight"))
         muon = [p for n, p in named if is_muon(n, p)]
         rest = [p for n, p in named if not is_muon(n, p)]
-        return [torch.optim.Muon(muon, lr=t.lr, weight_decay=t.weight_decay, adjust_lr_fn="match_rms_adamw"),
+        return [muon_optimizer(muon, t),
                 torch.optim.AdamW(rest, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))]
     return [torch.optim.AdamW([p for _, p in named], lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))]
+
+
+def muon_optimizer(params: list, t) -> torch.optim.Optimizer:
+    """torch.optim.Muon (Newton-Schulz in bf16) where training runs in bf16; eagle3lib.muon.Muon
+    with the iteration in fp32 where it runs in fp32 (train.dtype resolved): on a CPU without
+    native bf16 torch's bf16 iteration took ~20 of a step's ~22 s (eagle3lib/muon.py)."""
+    if t.dtype == "bfloat16":
+        return torch.optim.Muon(params, lr=t.lr, weight_decay=t.weight_decay, adjust_lr_fn="match_rms_adamw")
+    return Muon(params, lr=t.lr, weight_decay=t.weight_decay, adjust_lr_fn="match_rms_adamw", ns_dtype=torch.float32)
 
 
 def frozen_dtype(t: TrainParams, device: torch.device) -> torch.dtype:
@@ -385,9 +395,21 @@ class TrainRun:
                 "config": asdict(self.config)}
 
 
+def subset_of(usable: list, n: int, seed: int) -> list:
+    """The first n of a seeded permutation of `usable`, in cache order (train.max_sequences): for
+    one seed, the subset of a smaller n lies inside the subset of a larger one."""
+    if n > len(usable):
+        raise ValueError(f"train.max_sequences: {n} > the {len(usable)} usable sequences (>= 3 tokens) of the "
+                         "training cache; lower it or set it to null (all), or grow data.num_train and re-run 02/03")
+    order = torch.randperm(len(usable), generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(usable[k] for k in order[:n])
+
+
 def schedule(cache: HiddenCache, t: TrainParams, seed: int, world: int) -> tuple[list, int, int, int]:
     """-> (usable sequence indices, micro-batches per step, steps per epoch, total steps)."""
     usable = [i for i, n in enumerate(cache.lengths) if n >= 3]
+    if t.max_sequences is not None:
+        usable = subset_of(usable, t.max_sequences, seed)
     per_step = world * t.grad_accum
     batches = bucket_batches([cache.lengths[i] for i in usable], t.batch_tokens, seed, 0)
     steps_per_epoch = len(batches) // per_step

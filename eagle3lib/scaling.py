@@ -1,0 +1,168 @@
+"""The data-scaling study: held-out acceptance against the number of regenerated training chats.
+
+06_scaling trains one drafter per size N of `scaling.sizes` on N of this run's cached training
+chats (train.max_sequences = N: the first N of a seeded permutation, so the 500-chat subset lies
+inside the 1,000-chat one), each for `scaling.epochs` epochs with the profile's other train settings
+(train.max_steps and the time budget off: matched epochs, so a point's step count grows with N and
+its cosine schedule spans its own steps). Every point is scored on the same held-out cache
+(`acceptance_replayed`: chain decoding at k = train.ttt_steps replayed on each held-out answer,
+objective.evaluate) and, with scaling.vllm, in one vLLM subprocess (one engine per point, plus
+plain decoding for the speed ratio) on the held-out prompts 05_eval uses.
+
+A point is an ordinary training run folder, outputs/<run>/scaling/n<N>/ (layout.scaling_point):
+data/ and hidden/ are relative links to the run's own, train/ and export/ are the point's. The
+trainer's checkpoints make the study resumable: a rerun continues the unfinished point and
+re-reads the finished ones.
+
+The fit (fit_log_curve): tau(N) = a + b ln N by least squares, so b ln 2 is what one doubling of
+the chats buys. It is an empirical local fit over the measured range: acceptance length is bounded
+by k + 1 and must flatten eventually, so chats_for() extrapolations beyond the largest measured N
+are optimistic and are labelled as extrapolations.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Callable, Optional
+
+import numpy as np
+import pandas as pd
+
+from .export import export_vllm
+from .layout import RunLayout
+from .params import Params
+from .train import train
+
+
+def point_params(P: Params, n: int) -> Params:
+    """The profile of the point with n training chats: train.max_sequences n, scaling.epochs
+    epochs, no max_steps, no time budget (a point always finishes its epochs)."""
+    t = dataclasses.replace(P.train, max_sequences=n, epochs=P.scaling.epochs, max_steps=None,
+                            time_budget_minutes=None)
+    return dataclasses.replace(P, train=t)
+
+
+def point_layout(L: RunLayout, n: int) -> RunLayout:
+    """The point's run folder with data/ and hidden/ linked (relative links) to the run's own."""
+    root = L.scaling_point(n)
+    root.mkdir(parents=True, exist_ok=True)
+    for name, target in (("data", L.data), ("hidden", L.root / "hidden")):
+        link = root / name
+        rel = os.path.relpath(target, root)
+        if link.is_symlink() and os.readlink(link) == rel:
+            continue
+        if link.exists() or link.is_symlink():
+            raise FileExistsError(f"{link}: expected a link to {rel}; remove it and rerun 06_scaling")
+        link.symlink_to(rel, target_is_directory=True)
+    return RunLayout(root)
+
+
+def train_point(P: Params, L: RunLayout, n: int, progress: bool = True) -> dict:
+    """Train (or resume, or re-read) the point with n chats; returns one row of the study table."""
+    point = point_layout(L, n)
+    summary = train(point_params(P, n), point.root, progress=progress)
+    ev = summary["eval"] or {}
+    return {"chats": n, "steps": summary["steps"], "epochs": round(summary["epochs_done"], 3),
+            "train_sequences": summary["train_sequences"],
+            "acc0": ev.get("acc", [float("nan")])[0], "acceptance_estimate": ev.get("acceptance_estimate"),
+            "acceptance_replayed": ev.get("acceptance_replayed"), "replay_rounds": ev.get("replay_rounds"),
+            "tokens_per_s": summary["tokens_per_s_this_run"], "final_dir": summary["final_dir"]}
+
+
+def run_study(P: Params, L: RunLayout, progress: bool = True, log: Callable = print) -> pd.DataFrame:
+    """Every point of scaling.sizes, smallest first; one row per point (train_point)."""
+    if not P.scaling.sizes:
+        raise ValueError("scaling.sizes is empty: the profile states no study (e.g. sizes: [250, 500, 1000, 2000])")
+    rows = []
+    for n in P.scaling.sizes:
+        log(f"[scaling] point n={n}: {P.scaling.epochs} epochs on {n} chats")
+        rows.append(train_point(P, L, n, progress))
+        log(f"[scaling] point n={n}: acceptance replayed {rows[-1]['acceptance_replayed']:.3f} "
+            f"after {rows[-1]['steps']} steps")
+    return pd.DataFrame(rows)
+
+
+def export_points(P: Params, L: RunLayout, table: pd.DataFrame, target_dir) -> dict:
+    """{chats: export folder} for vLLM (speculators layout, k = eval.k), one per trained point."""
+    return {int(row.chats): export_vllm(row.final_dir, L.scaling_point(int(row.chats)) / "export", target_dir,
+                                        layout="speculators", k=P.eval.k)
+            for row in table.itertuples()}
+
+
+def vllm_mode_name(n: int, k: int) -> str:
+    return f"eagle3_n{n}_k{k}"
+
+
+# ==== the fitted curve ==========================================================================
+def fit_log_curve(chats, acceptance) -> dict:
+    """Least squares tau = a + b ln N over the points -> {a, b, r2, per_doubling (b ln 2), n_min, n_max}."""
+    x = np.log(np.asarray(chats, dtype=float))
+    y = np.asarray(acceptance, dtype=float)
+    if len(x) < 2 or np.ptp(x) == 0:
+        raise ValueError(f"a fit needs at least two distinct sizes, got {list(chats)}")
+    b, a = np.polyfit(x, y, 1)
+    pred = a + b * x
+    ss_res, ss_tot = float(((y - pred) ** 2).sum()), float(((y - y.mean()) ** 2).sum())
+    return {"a": float(a), "b": float(b), "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else float("nan"),
+            "per_doubling": float(b * math.log(2)), "n_min": float(np.exp(x.min())), "n_max": float(np.exp(x.max()))}
+
+
+def predict(fit: dict, chats) -> np.ndarray:
+    return fit["a"] + fit["b"] * np.log(np.asarray(chats, dtype=float))
+
+
+MAX_CHATS = 1e12   # beyond this a fitted curve is "not reached": flat for any practical purpose
+
+
+def chats_for(fit: dict, acceptance: float, k: int) -> Optional[float]:
+    """The chats at which the fitted curve reaches `acceptance` (None: never, i.e. a flat or falling
+    curve, one that needs more than MAX_CHATS, or a target at or above k + 1, which no drafter reaches)."""
+    if fit["b"] <= 0 or acceptance >= k + 1:
+        return None
+    log_n = (acceptance - fit["a"]) / fit["b"]
+    return None if log_n > math.log(MAX_CHATS) else float(math.exp(log_n))
+
+
+def targets_table(fit: dict, targets, k: int) -> pd.DataFrame:
+    """For each target acceptance length: the chats the curve needs and whether that is inside the
+    measured range (interpolation) or beyond it (an optimistic extrapolation, see the module doc)."""
+    rows = []
+    for tau in targets:
+        n = chats_for(fit, tau, k)
+        where = ("not reached by the fitted curve" if n is None else "inside the measured range"
+                 if fit["n_min"] <= n <= fit["n_max"] else "below the measured range" if n < fit["n_min"]
+                 else f"extrapolated {n / fit['n_max']:.1f}x beyond the largest point")
+        rows.append({"acceptance length": tau, "chats (fitted)": None if n is None else round(n), "status": where})
+    return pd.DataFrame(rows)
+
+
+def plot_curve(table: pd.DataFrame, fit: dict, targets=(), vllm: Optional[pd.DataFrame] = None,
+               vllm_fit: Optional[dict] = None, k: Optional[int] = None):
+    """Acceptance length against training chats (log axis): the measured points, the fitted curve
+    over the measured range (solid) and up to the largest target's chats (dashed)."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(table["chats"], table["acceptance_replayed"], "o", color="C0", label="replayed (held-out cache)")
+    span = [fit["n_min"], fit["n_max"]]
+    ends = [chats_for(fit, t, k or 10**9) for t in targets]
+    far = max([fit["n_max"]] + [n for n in ends if n is not None and n < 1e9])
+    xs = np.geomspace(span[0], span[1], 50)
+    ax.plot(xs, predict(fit, xs), "-", color="C0", label=f"fit a + b ln N (b ln 2 = {fit['per_doubling']:+.3f})")
+    if far > span[1]:
+        xe = np.geomspace(span[1], far, 50)
+        ax.plot(xe, predict(fit, xe), "--", color="C0", alpha=0.6, label="extrapolation (optimistic)")
+    if vllm is not None and len(vllm):
+        ax.plot(vllm["chats"], vllm["acceptance_length"], "s", color="C1", label="vLLM (held-out prompts)")
+        if vllm_fit is not None:
+            ax.plot(xs, predict(vllm_fit, xs), "-", color="C1", alpha=0.8,
+                    label=f"vLLM fit (b ln 2 = {vllm_fit['per_doubling']:+.3f})")
+    for t in targets:
+        ax.axhline(t, color="grey", lw=0.8, ls=":")
+    ax.set_xscale("log")
+    ax.set_xlabel("regenerated training chats N (log scale)")
+    ax.set_ylabel("acceptance length")
+    ax.set_title("Held-out acceptance against training data (matched epochs)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
