@@ -13,8 +13,12 @@ Each variant runs in its own process (so peak RSS is its own):
 
 Variant names: <dtype>-<attention>[-ckpt][-compile], dtype fp32 | bf16 (autocast), attention mask |
 merge | manual | chunked | flex (see model.ttt_attention; flex has no backward on CPU, so it runs on
-GPUs only), ckpt: activation checkpointing per TTT step. Results go to stdout and
-outputs/bench/train.json.
+GPUs only), ckpt: activation checkpointing per TTT step; muon: the trainer's Muon choice (fc and
+layer weights; Newton-Schulz in fp32 when training in fp32: train.muon_optimizer), muontorch:
+torch.optim.Muon whatever the dtype (Newton-Schulz in bf16: emulated, and slow, on an AVX2-only
+CPU). Results go to stdout and outputs/bench/train.json.
+
+    python bench/train.py --variants fp32-manual-muon fp32-manual-muontorch --ttt-steps 4 --seq 512 --batch-tokens 1024
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ from eagle3lib.objective import TargetHead, TTTObjective, autocast_for, prepare_
 from eagle3lib.params import TrainParams  # noqa: E402
 from eagle3lib.train import make_optimizers_for, optimizer_step  # noqa: E402
 
-DEFAULT_VARIANTS = ["fp32-mask", "fp32-merge", "fp32-manual", "fp32-chunked", "fp32-manual-ckpt",
+DEFAULT_VARIANTS = ["fp32-mask", "fp32-merge", "fp32-manual", "fp32-chunked", "fp32-manual-ckpt", "fp32-manual-muon",
                     "bf16-mask", "bf16-merge", "bf16-manual", "bf16-chunked",
                     "fp32-manual-compile", "bf16-manual-compile"]
 
@@ -60,8 +64,12 @@ def one_variant(name: str, steps: int, warmup: int, seq: int, batch_tokens: int,
     drafter.activation_checkpointing = "ckpt" in parts
     head = TargetHead(torch.randn(V, H) * 0.05, drafter.d2t)
     objective = TTTObjective(drafter, ttt_steps, 0.8, compile=compiled)   # as train.compile does
-    t = TrainParams(ttt_steps=ttt_steps, batch_tokens=batch_tokens, dtype="bfloat16" if dtype == "bf16" else "float32")
+    t = TrainParams(ttt_steps=ttt_steps, batch_tokens=batch_tokens, dtype="bfloat16" if dtype == "bf16" else "float32",
+                    optimizer="muon" if {"muon", "muontorch"} & set(parts) else "adamw")
     optimizers = make_optimizers_for(objective, t)
+    if "muontorch" in parts:          # torch.optim.Muon whatever the dtype: its Newton-Schulz runs in bf16
+        muon_params = optimizers[0].param_groups[0]["params"]
+        optimizers[0] = torch.optim.Muon(muon_params, lr=t.lr, weight_decay=t.weight_decay, adjust_lr_fn="match_rms_adamw")
     amp = autocast_for(t.dtype, "cpu")                                    # as the trainer's
     dist = Dist()                                                         # one process: rank 0 of 1
 

@@ -11,7 +11,8 @@ outputs/<run>/
                      history.json, tensorboard/
     export/          the vLLM export of final/
     eval/<name>/     vLLM benchmark work folders (vllm_ngram, vllm, scaling)
-    scaling/n<N>/    06_scaling's points: data -> ../../data, hidden -> ../../hidden (links), train/, export/
+    scaling/n<N>[-variant]/  06_scaling's points (and bench/loss_ab.py's variants): data -> ../../data,
+                     hidden -> ../../hidden (links), train/, export/
     metrics.json     headline numbers, one section per stage (`runner`: stage times, commit, machine)
     params.yaml      the resolved profile of the last `eagle3 run`
     index.html/.md   the run's one-page report (report.py)
@@ -84,9 +85,10 @@ class RunLayout:
         return self.train / "tensorboard"
 
     # ---- data-scaling study (06) ----
-    def scaling_point(self, n: int) -> Path:
-        """scaling/n<N>/: one study point's run folder (its data/ and hidden/ link to this run's)."""
-        return self.root / "scaling" / f"n{n:06d}"
+    def scaling_point(self, n: int, variant: str = "") -> Path:
+        """scaling/n<N>[-variant]/: one study point's run folder (its data/ and hidden/ link to this
+        run's); a variant (e.g. "lk_hybrid") is the same point with a changed training recipe."""
+        return self.root / "scaling" / (f"n{n:06d}" + (f"-{variant}" if variant else ""))
 
     # ---- evaluation stage (05) and reports ----
     @property

@@ -44,9 +44,10 @@ CPU_TRAIN_TOKENS_PER_S = 800         # drafter training goal/measure at ttt_step
 CPU_REGEN_TOKENS_PER_S = 400         # vLLM CPU batched generation (SmolLM2), see NOTES.md
 # The same stages on an AVX2-only host (no native bf16, so `dtype: auto` computes in fp32), NOTES.md:
 # regeneration and extraction from the ninth session's fresh-clone `make pipeline` on the local
-# profile (75 and 237 tok/s, partly under load), training from the seventh session's
-# `bench/train.py --variants fp32-manual` (207 tok/s, ttt 7; that pipeline's 04 ran slower, unexplained).
-AVX2_CPU_RATES = {"regen": 80, "extract": 240, "train": 207}
+# profile (75 and 237 tok/s, partly under load); training: the local profile's trainer at ttt 4 on
+# that run's cache, idle, 392 tok/s (= 224 at the ttt-7 basis below; NOTES.md, tenth session), after
+# Muon's Newton-Schulz iteration moved to fp32 on such hosts (eagle3lib/muon.py; 42 tok/s before).
+AVX2_CPU_RATES = {"regen": 80, "extract": 240, "train": 224}
 
 # GPU assumptions for a big box (stated, not measured here).
 GPU_BF16_FLOPS = 2.25e15             # dense bf16 per B300-class GPU

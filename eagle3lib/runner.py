@@ -40,8 +40,8 @@ STAGES = {
     "eval": "05_eval.ipynb",
     "scaling": "06_scaling.ipynb",
 }
-# Stages a full run (no --only) includes only when the profile asks for them.
-OPTIONAL_STAGES = {"scaling": lambda p: bool(p.scaling.sizes)}
+# Studies a full run (no --only) leaves out: `eagle3 run --only scaling` runs 06_scaling.
+OPTIONAL_STAGES = ("scaling",)
 
 
 class NotebookFailed(RuntimeError):
@@ -56,11 +56,10 @@ class StageResult:
     seconds: float
 
 
-def select_stages(only: Optional[str], p: Optional[Params] = None) -> list:
-    """--only's stages in pipeline order; without --only every stage, the optional ones
-    (OPTIONAL_STAGES) only when profile `p` asks for them."""
+def select_stages(only: Optional[str]) -> list:
+    """--only's stages in pipeline order; without --only every stage but OPTIONAL_STAGES."""
     if not only:
-        return [s for s in STAGES if s not in OPTIONAL_STAGES or (p is not None and OPTIONAL_STAGES[s](p))]
+        return [s for s in STAGES if s not in OPTIONAL_STAGES]
     wanted = [s.strip() for s in only.split(",") if s.strip()]
     unknown = [s for s in wanted if s not in STAGES]
     if unknown:
@@ -97,7 +96,7 @@ def run_pipeline(params_path: str, only: Optional[str] = None, run_name: Optiona
     if run_name is not None:
         check_run_name(run_name, "--run-name")
     run_name = run_name or p.run_name
-    stages = select_stages(only, p)
+    stages = select_stages(only)
     params_file = str(resolve_path(params_path).resolve())
     notebooks_dir = Path(notebooks_dir or repo_root() / "notebooks")
     layout = p.layout(run_name)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
@@ -32,20 +33,22 @@ import pandas as pd
 from .export import export_vllm
 from .layout import RunLayout
 from .params import Params
+from .progress import relay
 from .train import train
 
 
-def point_params(P: Params, n: int) -> Params:
+def point_params(P: Params, n: int, **train_changes) -> Params:
     """The profile of the point with n training chats: train.max_sequences n, scaling.epochs
-    epochs, no max_steps, no time budget (a point always finishes its epochs)."""
+    epochs, no max_steps, no time budget (a point always finishes its epochs); train_changes
+    (e.g. loss="lk_hybrid") make a variant of the recipe."""
     t = dataclasses.replace(P.train, max_sequences=n, epochs=P.scaling.epochs, max_steps=None,
-                            time_budget_minutes=None)
+                            time_budget_minutes=None, **train_changes)
     return dataclasses.replace(P, train=t)
 
 
-def point_layout(L: RunLayout, n: int) -> RunLayout:
+def point_layout(L: RunLayout, n: int, variant: str = "") -> RunLayout:
     """The point's run folder with data/ and hidden/ linked (relative links) to the run's own."""
-    root = L.scaling_point(n)
+    root = L.scaling_point(n, variant)
     root.mkdir(parents=True, exist_ok=True)
     for name, target in (("data", L.data), ("hidden", L.root / "hidden")):
         link = root / name
@@ -58,10 +61,13 @@ def point_layout(L: RunLayout, n: int) -> RunLayout:
     return RunLayout(root)
 
 
-def train_point(P: Params, L: RunLayout, n: int, progress: bool = True) -> dict:
-    """Train (or resume, or re-read) the point with n chats; returns one row of the study table."""
-    point = point_layout(L, n)
-    summary = train(point_params(P, n), point.root, progress=progress)
+def train_point(P: Params, L: RunLayout, n: int, progress: bool = True, variant: str = "", **train_changes) -> dict:
+    """Train (or resume, or re-read) the point with n chats; returns one row of the study table.
+    variant + train_changes: the same point with a changed recipe, in its own folder."""
+    if bool(variant) != bool(train_changes):
+        raise ValueError("a variant needs both a name and its train changes (and the study's points neither)")
+    point = point_layout(L, n, variant)
+    summary = train(point_params(P, n, **train_changes), point.root, progress=progress)
     ev = summary["eval"] or {}
     return {"chats": n, "steps": summary["steps"], "epochs": round(summary["epochs_done"], 3),
             "train_sequences": summary["train_sequences"],
@@ -70,8 +76,9 @@ def train_point(P: Params, L: RunLayout, n: int, progress: bool = True) -> dict:
             "tokens_per_s": summary["tokens_per_s_this_run"], "final_dir": summary["final_dir"]}
 
 
-def run_study(P: Params, L: RunLayout, progress: bool = True, log: Callable = print) -> pd.DataFrame:
-    """Every point of scaling.sizes, smallest first; one row per point (train_point)."""
+def run_study(P: Params, L: RunLayout, progress: bool = True, log: Callable = relay) -> pd.DataFrame:
+    """Every point of scaling.sizes, smallest first; one row per point (train_point). log: where the
+    per-point lines go (progress.relay: the terminal under the headless runner)."""
     if not P.scaling.sizes:
         raise ValueError("scaling.sizes is empty: the profile states no study (e.g. sizes: [250, 500, 1000, 2000])")
     rows = []
@@ -85,9 +92,13 @@ def run_study(P: Params, L: RunLayout, progress: bool = True, log: Callable = pr
 
 def export_points(P: Params, L: RunLayout, table: pd.DataFrame, target_dir) -> dict:
     """{chats: export folder} for vLLM (speculators layout, k = eval.k), one per trained point."""
-    return {int(row.chats): export_vllm(row.final_dir, L.scaling_point(int(row.chats)) / "export", target_dir,
-                                        layout="speculators", k=P.eval.k)
-            for row in table.itertuples()}
+    return {int(row.chats): export_point(P, row.final_dir, target_dir) for row in table.itertuples()}
+
+
+def export_point(P: Params, final_dir, target_dir):
+    """A point's vLLM export beside its train/ folder (speculators layout, k = eval.k)."""
+    return export_vllm(final_dir, Path(final_dir).parent.parent / "export", target_dir, layout="speculators",
+                       k=P.eval.k)
 
 
 def vllm_mode_name(n: int, k: int) -> str:

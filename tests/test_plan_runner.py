@@ -10,6 +10,7 @@ from tiny_notebooks import tiny_notebook
 from eagle3lib.data import prepare_data
 from eagle3lib.params import ParamsError, load_params
 from eagle3lib.plan import capacity_plan, format_plan, measured_stats
+from eagle3lib.layout import RunLayout
 from eagle3lib.runner import NotebookFailed, run_pipeline, select_stages
 from eagle3lib.stats import DataStats, SplitStats
 
@@ -211,20 +212,23 @@ def test_expected_stage_times_add_the_start_up_the_plan_leaves_out(tmp_path):
     assert expected_seconds(kimi, layout)["extract"] == (123.0, "this run folder's last run")
 
 
-def test_cpu_rates_follow_the_host_kind(monkeypatch):
+def test_cpu_rates_follow_the_host_kind(monkeypatch, tmp_path):
     """An AVX2-only host (bf16 emulated, `auto` = fp32) runs ~5x slower than a native-bf16 host:
-    the planner's assumed CPU rates must be that host kind's (NOTES.md, seventh/ninth sessions)."""
+    the planner's assumed CPU rates must be that host kind's (NOTES.md, seventh/ninth sessions).
+    An empty run folder: no measured rates of an earlier run of the profile (outputs/local) apply."""
     from eagle3lib import plan as planner
     P = load_params("params/local.yaml")
+    empty = RunLayout(tmp_path / "local")
     monkeypatch.setattr(planner, "cpu_has_native_bf16", lambda: True)
-    native = capacity_plan(P, None, memory=False)
+    native = capacity_plan(P, None, memory=False, layout=empty)
     monkeypatch.setattr(planner, "cpu_has_native_bf16", lambda: False)
-    avx2 = capacity_plan(P, None, memory=False)
+    avx2 = capacity_plan(P, None, memory=False, layout=empty)
     assert native["extract_tokens_per_s"] == planner.CPU_EXTRACT_TOKENS_PER_S
     assert avx2["extract_tokens_per_s"] == planner.AVX2_CPU_RATES["extract"]
     assert avx2["regen_hours"] > 3 * native["regen_hours"] and avx2["train_hours"] > 3 * native["train_hours"]
     assert "AVX2" in avx2["throughput_basis"] and "native bf16" in native["throughput_basis"]
     share = P.train.time_budget_minutes / 60 / avx2["train_hours"]
     assert f"stops it after ~{share:.0%} of the planned tokens" in format_plan(avx2)      # the user sees the cut
-    unlimited = capacity_plan(load_params("params/local.yaml", {"train": {"time_budget_minutes": None}}), None, memory=False)
+    unlimited = capacity_plan(load_params("params/local.yaml", {"train": {"time_budget_minutes": None}}), None,
+                              memory=False, layout=empty)
     assert "stops it" not in format_plan(unlimited)

@@ -584,3 +584,81 @@ def test_the_trainer_refuses_a_corrupt_or_stale_cache(tmp_path, sharp_target_dir
     stale = load_params(path, overrides={"data": {"num_train": 7}})
     with pytest.raises(CacheError, match="extracted with other params"):
         train(stale, stale.run_dir(), progress=False)
+
+
+# ---- Muon with the Newton-Schulz iteration in fp32 (eagle3lib/muon.py) ------------------------
+def _muon_trajectory(make_opt, steps=3, seed=0) -> list:
+    torch.manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(24, 10)), torch.nn.Parameter(torch.randn(6, 16))]  # tall and wide
+    opt = make_opt(params)
+    out = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 + step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+        out.append([p.detach().clone() for p in params])
+    return out
+
+
+@pytest.mark.parametrize("adjust", [None, "match_rms_adamw"])
+def test_muon_with_bf16_newton_schulz_reproduces_torch_muon_step_for_step(adjust):
+    from eagle3lib.muon import Muon
+    kw = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn=adjust)
+    ours = _muon_trajectory(lambda ps: Muon(ps, ns_dtype=torch.bfloat16, **kw))
+    ref = _muon_trajectory(lambda ps: torch.optim.Muon(ps, **kw))
+    for a, b in zip(ours, ref):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+
+
+def test_muon_in_fp32_stays_within_bf16_rounding_of_torch_muon_and_orthogonalises():
+    from eagle3lib.muon import Muon, newton_schulz
+    kw = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    ours = _muon_trajectory(lambda ps: Muon(ps, ns_dtype=torch.float32, **kw))
+    ref = _muon_trajectory(lambda ps: torch.optim.Muon(ps, **kw))
+    for a, b in zip(ours, ref):
+        for x, y in zip(a, b):
+            assert not torch.equal(x, y)                                # computed in another dtype
+            torch.testing.assert_close(x, y, rtol=0, atol=0.02 * 0.2 * 24 ** 0.5 * 0.05)  # ~5% of one update
+    g = torch.randn(32, 12, generator=torch.Generator().manual_seed(1))
+    s = torch.linalg.svdvals(newton_schulz(g))
+    assert s.min() > 0.5 and s.max() < 1.5                              # U S' V^T with S' ~ U(0.5, 1.5)
+
+
+def test_the_trainer_uses_fp32_newton_schulz_only_where_it_trains_in_fp32():
+    from eagle3lib.muon import Muon
+    from eagle3lib.params import TrainParams
+    from eagle3lib.train import make_optimizers_for
+    model = torch.nn.Module()
+    model.fc = torch.nn.Linear(8, 4, bias=False)
+    model.norm = torch.nn.LayerNorm(4)
+    fp32 = make_optimizers_for(model, TrainParams(optimizer="muon", dtype="float32"))
+    bf16 = make_optimizers_for(model, TrainParams(optimizer="muon", dtype="bfloat16"))
+    assert type(fp32[0]) is Muon and fp32[0].ns_dtype == torch.float32
+    assert type(bf16[0]) is torch.optim.Muon
+    assert [p.shape for p in fp32[0].param_groups[0]["params"]] == [torch.Size([4, 8])]   # fc only; norm on AdamW
+
+
+# ---- train.max_sequences: nested subsets of one cache (06_scaling) -------------------------------
+def test_max_sequences_takes_nested_seeded_subsets_and_refuses_more_than_the_cache_holds():
+    from eagle3lib.train import subset_of
+    usable = list(range(0, 200, 2))
+    small, large = subset_of(usable, 10, seed=5), subset_of(usable, 40, seed=5)
+    assert len(small) == 10 and len(large) == 40 and set(small) <= set(large)
+    assert small == sorted(small) and set(large) <= set(usable)
+    assert subset_of(usable, 10, seed=5) == small and subset_of(usable, 10, seed=6) != small
+    assert subset_of(usable, 100, seed=5) == usable
+    with pytest.raises(ValueError, match="train.max_sequences: 101 > the 100 usable"):
+        subset_of(usable, 101, seed=5)
+
+
+def test_a_run_with_max_sequences_trains_on_that_many_chats(tmp_path, sharp_target_dir):
+    path = make_run(tmp_path, sharp_target_dir, {"max_sequences": 8, "epochs": 1, "max_steps": None, "resume": False})
+    P = load_params(path)
+    summary = train(P, P.run_dir(), progress=False)
+    full = make_run(tmp_path / "full", sharp_target_dir, {"epochs": 1, "max_steps": None, "resume": False})
+    P_full = load_params(full)
+    summary_full = train(P_full, P_full.run_dir(), progress=False)
+    assert summary["train_sequences"] == 8 and summary_full["train_sequences"] == 24
+    assert summary["steps"] < summary_full["steps"] and summary["epochs_done"] == pytest.approx(1.0)

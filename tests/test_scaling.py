@@ -1,0 +1,112 @@
+"""The data-scaling study's pieces (06_scaling runs them end to end under nbval on ci)."""
+import math
+import os
+
+import numpy as np
+import pytest
+
+from eagle3lib import scaling as sc
+from eagle3lib.layout import RunLayout
+from eagle3lib.params import ParamsError, load_params
+from eagle3lib.runner import select_stages
+
+
+def test_the_log_fit_recovers_a_known_curve_and_inverts_it():
+    chats = [250, 500, 1000, 2000]
+    tau = [1.2 + 0.15 * math.log(n) for n in chats]
+    fit = sc.fit_log_curve(chats, tau)
+    assert fit["a"] == pytest.approx(1.2) and fit["b"] == pytest.approx(0.15) and fit["r2"] == pytest.approx(1.0)
+    assert fit["per_doubling"] == pytest.approx(0.15 * math.log(2))
+    n = sc.chats_for(fit, 2.5, k=4)
+    assert n == pytest.approx(math.exp((2.5 - 1.2) / 0.15)) and sc.predict(fit, [n])[0] == pytest.approx(2.5)
+    table = sc.targets_table(fit, [2.3, 2.5, 5.0], k=4)
+    assert list(table["status"]) == ["inside the measured range",
+                                     f"extrapolated {n / 2000:.1f}x beyond the largest point",
+                                     "not reached by the fitted curve"]      # 5.0 = k + 1: unreachable
+
+
+def test_a_flat_or_falling_curve_never_reaches_a_target():
+    falling = sc.fit_log_curve([100, 200, 400], [2.0, 1.9, 1.8])
+    flat = sc.fit_log_curve([100, 200, 400], [1.5, 1.5 + 1e-6, 1.5 + 2e-6])
+    assert falling["b"] < 0 and sc.chats_for(falling, 2.5, k=4) is None
+    assert sc.chats_for(flat, 2.5, k=4) is None                          # would need more than MAX_CHATS
+    with pytest.raises(ValueError, match="two distinct sizes"):
+        sc.fit_log_curve([100, 100], [1.5, 1.6])
+
+
+def test_point_params_train_n_chats_for_matched_epochs_without_caps():
+    P = load_params("params/local.yaml")
+    Q = sc.point_params(P, 500)
+    assert (Q.train.max_sequences, Q.train.epochs, Q.train.max_steps, Q.train.time_budget_minutes) == \
+        (500, P.scaling.epochs, None, None)
+    assert (Q.train.lr, Q.train.optimizer, Q.data, Q.extract) == (P.train.lr, P.train.optimizer, P.data, P.extract)
+
+
+def test_a_point_folder_links_the_runs_data_and_cache_and_refuses_a_stranger(tmp_path):
+    L = RunLayout(tmp_path / "run")
+    (L.data).mkdir(parents=True)
+    (L.hidden("train")).mkdir(parents=True)
+    (L.data / "vocab.safetensors").write_text("v")
+    point = sc.point_layout(L, 250)
+    assert point.root == tmp_path / "run" / "scaling" / "n000250"
+    assert os.readlink(point.data) == os.path.join("..", "..", "data")    # relative: the run folder can move
+    assert (point.vocab).read_text() == "v" and point.hidden("train").is_dir()
+    assert sc.point_layout(L, 250) == point                              # idempotent
+    other = L.scaling_point(500)
+    (other / "data").mkdir(parents=True)
+    with pytest.raises(FileExistsError, match="expected a link"):
+        sc.point_layout(L, 500)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("scaling: {sizes: [500, 250]}", "scaling.sizes: must be distinct positive chat counts in ascending order"),
+    ("scaling: {sizes: [0, 250]}", "scaling.sizes"),
+    ("scaling: {sizes: [250, 250]}", "scaling.sizes"),
+    ("data: {num_train: 100}\nscaling: {sizes: [50, 200]}", "exceeds data.num_train=100"),
+    ("scaling: {epochs: 0}", "scaling.epochs"),
+    ("scaling: {targets: [1.0]}", "scaling.targets"),
+    ("train: {max_sequences: 0}", "train.max_sequences"),
+])
+def test_bad_study_params_are_refused_naming_the_key(tmp_path, text, match):
+    path = tmp_path / "p.yaml"
+    path.write_text(f"inherit: {os.path.abspath('params/ci.yaml')}\nrun_name: p\n{text}\n")
+    with pytest.raises(ParamsError, match=match):
+        load_params(path)
+
+
+def test_the_study_is_an_optional_stage():
+    assert "scaling" not in select_stages(None)                           # `make pipeline` does not run it
+    assert select_stages("scaling") == ["scaling"]
+    assert select_stages("eval,scaling") == ["eval", "scaling"]
+
+
+def test_run_study_refuses_a_profile_without_sizes():
+    P = load_params("params/mini-kimi.yaml")
+    with pytest.raises(ValueError, match="scaling.sizes is empty"):
+        sc.run_study(P, P.layout())
+
+
+def test_the_plot_draws_points_fit_and_extrapolation():
+    import pandas as pd
+    table = pd.DataFrame({"chats": [250, 500, 1000], "acceptance_replayed": [1.4, 1.5, 1.6]})
+    fit = sc.fit_log_curve(table["chats"], table["acceptance_replayed"])
+    fig = sc.plot_curve(table, fit, targets=[2.0], k=4)
+    lines = fig.axes[0].get_lines()
+    labels = [l.get_label() for l in lines]
+    assert "replayed (held-out cache)" in labels and "extrapolation (optimistic)" in labels
+    extrap = lines[labels.index("extrapolation (optimistic)")]
+    assert np.isclose(extrap.get_xdata()[-1], sc.chats_for(fit, 2.0, k=4))
+
+
+def test_a_recipe_variant_of_a_point_lives_in_its_own_folder_and_changes_only_the_recipe(tmp_path):
+    L = RunLayout(tmp_path / "run")
+    L.data.mkdir(parents=True)
+    assert sc.point_layout(L, 2000, "lk_hybrid").root.name == "n002000-lk_hybrid"
+    P = load_params("params/local.yaml")
+    base, lk = sc.point_params(P, 2000), sc.point_params(P, 2000, loss="lk_hybrid")
+    assert lk.train.loss == "lk_hybrid" and base.train.loss == "kl"
+    assert {k for k, v in vars(lk.train).items() if vars(base.train)[k] != v} == {"loss"}
+    with pytest.raises(ValueError, match="a variant needs both"):
+        sc.train_point(P, L, 2000, variant="lk_hybrid")
+    with pytest.raises(ValueError, match="a variant needs both"):
+        sc.train_point(P, L, 2000, loss="lk")
