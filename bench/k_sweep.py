@@ -6,7 +6,7 @@ time (the latency regime of 05), T = eval.temperature, eval.vllm_dtype. Prints o
 decode tokens/s, speedup over plain, acceptance length, and same output as plain; appends the rows
 with the date, commit and machine to outputs/bench/k_sweep.jsonl.
 
-    python bench/k_sweep.py --params params/local.yaml [--run local] [--k 2 3 4 5] [--prompts 20]
+    python bench/k_sweep.py --params params/local.yaml [--run local] [--k 2 3 4 5] [--prompts 20] [--export DIR]
 
 Timings need an otherwise idle machine: a second job on the 2 cores halves every rate.
 """
@@ -43,10 +43,13 @@ def main(argv=None) -> int:
     ap.add_argument("--run", default=None, help="run name (default: the profile's run_name)")
     ap.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 5])
     ap.add_argument("--prompts", type=int, default=None, help="default: eval.vllm_prompts or eval.num_prompts")
+    ap.add_argument("--export", default=None,
+                    help="another vLLM export of this run's drafters, e.g. a 06_scaling point's "
+                         "outputs/<run>/scaling/n002000/export (default: the run's own export/)")
     args = ap.parse_args(argv)
     P = load_params(args.params)
     layout = P.layout(args.run)
-    export_dir = layout.export
+    export_dir = Path(args.export) if args.export else layout.export
     if not (export_dir / "config.json").is_file():
         raise SystemExit(f"{export_dir}: no export; run 05_eval first "
                          f"(eagle3 run --params {args.params} --only eval)")
@@ -63,6 +66,7 @@ def main(argv=None) -> int:
           f"vLLM {raw['vllm_version']}, {time.time() - t0:.0f} s")
     print(summary[columns].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     stamp = {"date": time.strftime("%Y-%m-%d %H:%M"), "params": args.params, "run": layout.root.name,
+             "export": str(export_dir),
              "commit": git_commit(repo_root()), "machine": machine_info(), "prompts": len(prompts)}
     out = P.outputs_root() / "bench" / "k_sweep.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,8 @@ from .params import cpu_flags, cpu_has_native_bf16
 NOTEBOOKS = {"research": "00_research", "ngram": "01_ngram_baseline", "data": "02_data",
              "extract": "03_extract", "train": "04_train", "eval": "05_eval", "scaling": "06_scaling"}
 
+OPTIONAL_NOTEBOOKS = ("scaling",)   # listed only once run (the runner's OPTIONAL_STAGES)
+
 # The headline numbers: (metrics section, key, label with unit). One name per quantity:
 # "acceptance length" = tokens emitted per target forward (1 + accepted drafts), the number
 # EAGLE papers call tau; "speedup" = decode tokens/s over plain decoding on the same prompts.
@@ -182,6 +184,8 @@ def index_markdown(run: dict) -> str:
     times = runner.get("stage_seconds", {})
     lines += ["", "| stage | notebook | wall time (s) |", "|---|---|---|"]
     for stage, stem in NOTEBOOKS.items():
+        if stage in OPTIONAL_NOTEBOOKS and stage not in times:       # a study this run did not run
+            continue
         lines.append(f"| {stage} | [{stem}]({stem}.html) ([ipynb]({stem}.ipynb)) | {fmt(times.get(stage))} |")
     for section in ("ngram", "eval", "scaling"):
         if m.get(section, {}).get("verdict"):

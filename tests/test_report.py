@@ -52,6 +52,20 @@ def test_index_page_shows_params_stage_times_headlines_plots_and_links(tmp_path)
     write_index(partial)
     md = (partial / "index.md").read_text()
     assert "| eval | EAGLE-3 acceptance length (vLLM) | - |" in md              # not run yet: "-"
+    assert "06_scaling" not in md                                              # the optional study: not run
+
+
+def test_the_index_lists_the_scaling_study_and_its_verdict_once_it_ran(tmp_path):
+    run = fake_run(tmp_path, "s", lr=1e-3, acc=0.2)
+    metrics = json.loads((run / "metrics.json").read_text())
+    metrics["runner"]["stage_seconds"]["scaling"] = 3000.0
+    metrics["scaling"] = {"verdict": "Verdict (vLLM): from 250 to 2000 chats, each doubling added +0.100"}
+    (run / "metrics.json").write_text(json.dumps(metrics))
+    write_index(run)
+    md = (run / "index.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| scaling | [06_scaling](06_scaling.html)"))
+    assert row.endswith(" |") and "3" in row.split("|")[-2]                 # its wall time
+    assert "## Verdict (scaling)" in md and "each doubling added +0.100" in md
 
 
 def test_compare_lists_headlines_and_only_the_params_that_differ(tmp_path):
