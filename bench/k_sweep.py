@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     P = load_params(args.params)
     layout = P.layout(args.run)
-    export_dir = Path(args.export) if args.export else layout.export
+    export_dir = Path(args.export).resolve() if args.export else layout.export   # the vLLM child runs elsewhere
     if not (export_dir / "config.json").is_file():
         raise SystemExit(f"{export_dir}: no export; run 05_eval first "
                          f"(eagle3 run --params {args.params} --only eval)")
