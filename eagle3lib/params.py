@@ -516,9 +516,6 @@ def validate(p: Params) -> Params:
     sc = p.scaling
     need(all(isinstance(n, int) and n >= 1 for n in sc.sizes) and list(sc.sizes) == sorted(set(sc.sizes)),
          "scaling.sizes", f"must be distinct positive chat counts in ascending order, got {sc.sizes}")
-    need(not sc.sizes or p.data.num_train is None or sc.sizes[-1] <= p.data.num_train, "scaling.sizes",
-         f"the largest size {sc.sizes[-1] if sc.sizes else None} exceeds data.num_train={p.data.num_train} "
-         "(the study trains on subsets of this run's training chats)")
     need(sc.epochs > 0, "scaling.epochs", "must be > 0")
     need(all(isinstance(x, (int, float)) and x > 1 for x in sc.targets), "scaling.targets",
          f"acceptance lengths must be > 1, got {sc.targets}")

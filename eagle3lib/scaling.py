@@ -81,6 +81,10 @@ def run_study(P: Params, L: RunLayout, progress: bool = True, log: Callable = re
     per-point lines go (progress.relay: the terminal under the headless runner)."""
     if not P.scaling.sizes:
         raise ValueError("scaling.sizes is empty: the profile states no study (e.g. sizes: [250, 500, 1000, 2000])")
+    if P.data.num_train is not None and P.scaling.sizes[-1] > P.data.num_train:
+        raise ValueError(f"scaling.sizes: the largest size {P.scaling.sizes[-1]} exceeds data.num_train="
+                         f"{P.data.num_train}: the study trains on subsets of this run's training chats; "
+                         "lower the sizes or grow data.num_train (and rerun 02 and 03)")
     rows = []
     for n in P.scaling.sizes:
         log(f"[scaling] point n={n}: {P.scaling.epochs} epochs on {n} chats")

@@ -62,7 +62,6 @@ def test_a_point_folder_links_the_runs_data_and_cache_and_refuses_a_stranger(tmp
     ("scaling: {sizes: [500, 250]}", "scaling.sizes: must be distinct positive chat counts in ascending order"),
     ("scaling: {sizes: [0, 250]}", "scaling.sizes"),
     ("scaling: {sizes: [250, 250]}", "scaling.sizes"),
-    ("data: {num_train: 100}\nscaling: {sizes: [50, 200]}", "exceeds data.num_train=100"),
     ("scaling: {epochs: 0}", "scaling.epochs"),
     ("scaling: {targets: [1.0]}", "scaling.targets"),
     ("train: {max_sequences: 0}", "train.max_sequences"),
@@ -80,10 +79,14 @@ def test_the_study_is_an_optional_stage():
     assert select_stages("eval,scaling") == ["eval", "scaling"]
 
 
-def test_run_study_refuses_a_profile_without_sizes():
+def test_run_study_refuses_a_profile_without_sizes_or_with_more_chats_than_the_run_has(tmp_path):
     P = load_params("params/mini-kimi.yaml")
     with pytest.raises(ValueError, match="scaling.sizes is empty"):
         sc.run_study(P, P.layout())
+    Q = load_params("params/ci.yaml", overrides={"output_dir": str(tmp_path), "data": {"num_train": 10}})
+    with pytest.raises(ValueError, match="the largest size 16 exceeds data.num_train=10"):
+        sc.run_study(Q, Q.layout())
+    assert not (tmp_path / "ci").exists()                                  # refused before any work
 
 
 def test_the_plot_draws_points_fit_and_extrapolation():
