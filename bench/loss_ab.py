@@ -24,13 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3lib import evaluate as ev  # noqa: E402
 from eagle3lib import scaling as sc  # noqa: E402
 from eagle3lib.objective import LOSS_CHOICES  # noqa: E402
 from eagle3lib.params import load_params, repo_root  # noqa: E402
 from eagle3lib.report import git_commit, machine_info  # noqa: E402
-from eagle3lib.target import load_tokenizer, target_path  # noqa: E402
-from eagle3lib.vllm_bench import mode  # noqa: E402
+from eagle3lib.target import target_path  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -52,18 +50,14 @@ def main(argv=None) -> int:
     for row, loss in zip(rows, ("kl", args.loss)):
         row["loss"] = loss
     if not args.no_vllm:
-        tdir = target_path(P)
-        prompts, _ = ev.eval_prompts(P, L.root, load_tokenizer(tdir, P.target.trust_remote_code))
-        prompts = prompts[: args.prompts or P.eval.vllm_prompts or len(prompts)]
         K = P.eval.k
-        modes = [mode("plain")] + [mode("eagle3", K, name=f"eagle3_{row['loss']}_k{K}",
-                                        model=str(sc.export_point(P, row["final_dir"], tdir))) for row in rows]
-        summary, raw = ev.run_vllm_eval(P, tdir, prompts, modes, L.eval_work("loss_ab"))
-        print(ev.check_vllm_same_output(raw, prompts, P))
+        exports = {f"eagle3_{row['loss']}_k{K}": sc.export_point(P, row["final_dir"], target_path(P)) for row in rows}
+        summary, raw, same = sc.vllm_compare(P, L, exports, L.eval_work("loss_ab"), limit=args.prompts)
+        print(same)
         for row in rows:
             m = summary[summary["method"] == f"eagle3_{row['loss']}_k{K}"].iloc[0]
             row.update(vllm_acceptance_length=float(m["acceptance_length"]), vllm_speedup=float(m["speedup"]),
-                       vllm_tokens_per_s=float(m["tokens_per_s"]), vllm_prompts=len(prompts), k=K)
+                       vllm_tokens_per_s=float(m["tokens_per_s"]), vllm_prompts=int(m["prompts"]), k=K)
     print(f"{'loss':10s} {'steps':>6s} {'acc0':>6s} {'replayed':>9s} {'vLLM acc len':>13s} {'speedup':>8s}")
     for r in rows:
         print(f"{r['loss']:10s} {r['steps']:6d} {r['acc0']:6.3f} {r['acceptance_replayed']:9.3f} "

@@ -23,6 +23,7 @@ CPU). Results go to stdout and outputs/bench/train.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -39,7 +40,7 @@ from eagle3lib.dist import Dist  # noqa: E402
 from eagle3lib.model import Eagle3Config, Eagle3Drafter  # noqa: E402
 from eagle3lib.objective import TargetHead, TTTObjective, autocast_for, prepare_batch  # noqa: E402
 from eagle3lib.params import TrainParams  # noqa: E402
-from eagle3lib.train import make_optimizers_for, optimizer_step  # noqa: E402
+from eagle3lib.train import make_optimizers_for, muon_optimizer, optimizer_step  # noqa: E402
 
 DEFAULT_VARIANTS = ["fp32-mask", "fp32-merge", "fp32-manual", "fp32-chunked", "fp32-manual-ckpt", "fp32-manual-muon",
                     "bf16-mask", "bf16-merge", "bf16-manual", "bf16-chunked",
@@ -67,9 +68,8 @@ def one_variant(name: str, steps: int, warmup: int, seq: int, batch_tokens: int,
     t = TrainParams(ttt_steps=ttt_steps, batch_tokens=batch_tokens, dtype="bfloat16" if dtype == "bf16" else "float32",
                     optimizer="muon" if {"muon", "muontorch"} & set(parts) else "adamw")
     optimizers = make_optimizers_for(objective, t)
-    if "muontorch" in parts:          # torch.optim.Muon whatever the dtype: its Newton-Schulz runs in bf16
-        muon_params = optimizers[0].param_groups[0]["params"]
-        optimizers[0] = torch.optim.Muon(muon_params, lr=t.lr, weight_decay=t.weight_decay, adjust_lr_fn="match_rms_adamw")
+    if "muontorch" in parts:          # what the trainer builds for bf16 training: torch.optim.Muon (bf16 Newton-Schulz)
+        optimizers[0] = muon_optimizer(optimizers[0].param_groups[0]["params"], dataclasses.replace(t, dtype="bfloat16"))
     amp = autocast_for(t.dtype, "cpu")                                    # as the trainer's
     dist = Dist()                                                         # one process: rank 0 of 1
 

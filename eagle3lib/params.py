@@ -228,8 +228,8 @@ class EvalParams:
 
 @dataclass
 class ScalingParams:
-    # The data-scaling study (06_scaling, an optional stage: `eagle3 run --only scaling`, or part of a
-    # full run when sizes is set): one drafter per size N trained on N of this run's cached training
+    # The data-scaling study (06_scaling, an optional stage that only `eagle3 run --only scaling`
+    # runs): one drafter per size N trained on N of this run's cached training
     # chats (nested subsets, train.max_sequences) for `epochs` epochs with the profile's other train
     # settings (train.max_steps and the time budget off: matched epochs), all scored on the same
     # held-out cache (replayed acceptance) and, with vllm on, in one vLLM run (acceptance length, tokens/s).

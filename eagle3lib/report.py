@@ -33,7 +33,7 @@ from .params import cpu_flags, cpu_has_native_bf16
 NOTEBOOKS = {"research": "00_research", "ngram": "01_ngram_baseline", "data": "02_data",
              "extract": "03_extract", "train": "04_train", "eval": "05_eval", "scaling": "06_scaling"}
 
-OPTIONAL_NOTEBOOKS = ("scaling",)   # listed only once run (the runner's OPTIONAL_STAGES)
+OPTIONAL_NOTEBOOKS = ("scaling",)   # studies: run only when asked (runner.OPTIONAL_STAGES), listed only once run
 
 # The headline numbers: (metrics section, key, label with unit). One name per quantity:
 # "acceptance length" = tokens emitted per target forward (1 + accepted drafts), the number

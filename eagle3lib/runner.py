@@ -28,7 +28,7 @@ from .params import Params, ParamsError, check_run_name, dump, load_params, repo
 from .plan import capacity_plan, measured_stats
 from .progress import INTERVAL_ENV, PROGRESS_ENV
 from .regenerate import resolve_backend as resolve_regen_backend
-from .report import git_commit, machine_info, write_index
+from .report import OPTIONAL_NOTEBOOKS, git_commit, machine_info, write_index
 
 # Stage name -> notebook file (execution order).
 STAGES = {
@@ -40,8 +40,8 @@ STAGES = {
     "eval": "05_eval.ipynb",
     "scaling": "06_scaling.ipynb",
 }
-# Studies a full run (no --only) leaves out: `eagle3 run --only scaling` runs 06_scaling.
-OPTIONAL_STAGES = ("scaling",)
+# Studies a full run (no --only) leaves out (`eagle3 run --only scaling` runs 06_scaling): report.py's list.
+OPTIONAL_STAGES = OPTIONAL_NOTEBOOKS
 
 
 class NotebookFailed(RuntimeError):

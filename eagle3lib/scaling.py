@@ -30,11 +30,14 @@ from typing import Callable, Optional
 import numpy as np
 import pandas as pd
 
+from . import evaluate as ev
 from .export import export_vllm
 from .layout import RunLayout
 from .params import Params
 from .progress import relay
+from .target import load_tokenizer, target_path
 from .train import train
+from .vllm_bench import mode
 
 
 def point_params(P: Params, n: int, **train_changes) -> Params:
@@ -107,6 +110,19 @@ def export_point(P: Params, final_dir, target_dir):
 
 def vllm_mode_name(n: int, k: int) -> str:
     return f"eagle3_n{n}_k{k}"
+
+
+def vllm_compare(P: Params, L: RunLayout, exports: dict, workdir, limit: Optional[int] = None) -> tuple:
+    """Plain decoding, then each export {mode name: folder} as eagle3 at k = eval.k, in ONE vLLM
+    subprocess on the run's held-out prompts (the first `limit`, else eval.vllm_prompts) ->
+    (summary DataFrame, raw result, the same-output report). At T = 0 in fp32 every output must
+    equal plain's: evaluate.check_vllm_same_output raises naming the prompt."""
+    tdir = target_path(P)
+    prompts, _ = ev.eval_prompts(P, L.root, load_tokenizer(tdir, P.target.trust_remote_code))
+    prompts = prompts[:limit] if limit else prompts
+    modes = [mode("plain")] + [mode("eagle3", P.eval.k, name=name, model=str(d)) for name, d in exports.items()]
+    summary, raw = ev.run_vllm_eval(P, tdir, prompts, modes, workdir)
+    return summary, raw, ev.check_vllm_same_output(raw, prompts, P)
 
 
 # ==== the fitted curve ==========================================================================
