@@ -24,7 +24,7 @@ Dv draft vocab, h/kv query/key-value heads, d head_dim.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -543,6 +543,16 @@ class Eagle3Drafter(nn.Module):
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids (any shape) -> target ids."""
         return draft_ids + self.d2t[draft_ids]
+
+    def with_draft_rows(self, rows: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> "Eagle3Drafter":
+        """A copy whose head keeps only draft ids `rows` [Dv'] (vocab.shrink_draft_vocab gives rows,
+        d2t [Dv'] and t2d [V]); every other weight is shared unchanged. Its logits are this
+        drafter's logits[..., rows]."""
+        small = type(self)(replace(self.config, draft_vocab_size=int(rows.numel()))).to(self.fc.weight.dtype)
+        state = {**self.state_dict(), "lm_head.weight": self.lm_head.weight.detach()[rows],   # [Dv', H]
+                 "d2t": d2t.to(torch.int64), "t2d": t2d.to(torch.bool)}
+        small.load_state_dict(state)
+        return small.train(self.training)
 
     @classmethod
     def from_target_weights(cls, config: Eagle3Config, d2t: torch.Tensor, t2d: torch.Tensor,

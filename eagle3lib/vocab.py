@@ -58,6 +58,26 @@ def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torc
     return d2t, t2d
 
 
+def shrink_draft_vocab(d2t: torch.Tensor, counts: torch.Tensor,
+                       size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A smaller draft vocabulary inside an existing one, for a trained drafter's head.
+
+    Keeps the `size` most frequent (counts [V]) of the draft vocabulary's target tokens, ties broken
+    by the smaller id, like build_draft_vocab. Returns (rows int64 [size]: the kept draft ids,
+    ascending, i.e. the lm_head rows to keep; d2t int64 [size]; t2d bool [V]). A head cut to these
+    rows proposes the same token as the full head wherever the full head's argmax is kept."""
+    Dv, V = d2t.numel(), counts.numel()
+    if not 1 <= size <= Dv:
+        raise ValueError(f"draft vocabulary size {size} must be in 1..{Dv} (the drafter's draft vocabulary)")
+    target_ids = draft_to_target_ids(d2t)                                  # [Dv], ascending
+    order = torch.sort(-counts[target_ids].to(torch.int64), stable=True).indices   # [Dv] ties: smaller id
+    rows = torch.sort(order[:size]).values                                 # [size] draft ids, ascending
+    kept = target_ids[rows]                                                # [size] target ids, ascending
+    t2d = torch.zeros(V, dtype=torch.bool)                                 # [V]
+    t2d[kept] = True
+    return rows, kept - torch.arange(size, dtype=torch.int64), t2d
+
+
 def draft_to_target_ids(d2t: torch.Tensor) -> torch.Tensor:
     """Target id of every draft id: i + d2t[i] ([Dv] int64)."""
     return torch.arange(d2t.numel(), dtype=torch.int64) + d2t

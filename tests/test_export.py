@@ -176,3 +176,28 @@ def test_bad_inputs_raise_clear_errors(tiny_target_dir, tmp_path):
         export_vllm(tmp_path / "missing", tmp_path / "x", tiny_target_dir)
     with pytest.raises(FileNotFoundError):
         load_export(tmp_path / "missing", tiny_target_dir)
+
+
+def test_shrunk_head_proposes_the_full_heads_argmax_where_kept(tiny_target_dir, tmp_path):
+    """with_draft_rows + vocab.shrink_draft_vocab: the cut head's logits are the full head's kept
+    rows, and the smaller drafter exports and loads back exactly (bench/draft_vocab.py's path)."""
+    from eagle3lib.vocab import draft_to_target_ids, shrink_draft_vocab
+    model = make_drafter(tiny_target_dir, 512, seed=3)
+    counts = torch.randint(0, 50, (model.config.vocab_size,), generator=torch.Generator().manual_seed(1))
+    rows, d2t, t2d = shrink_draft_vocab(model.d2t, counts, 128)
+    small = model.with_draft_rows(rows, d2t, t2d)
+    assert small.config.draft_vocab_size == 128 and small.lm_head.weight.shape[0] == 128
+    H = model.config.hidden_size
+    torch.manual_seed(0)
+    aux, ids, pos = torch.randn(2, 6, 3 * H), torch.randint(1000, (2, 6)), torch.arange(6)[None]
+    with torch.no_grad():
+        full_logits = model(model.fuse(aux), ids, pos)[0]                # [2, 6, 512]
+        small_logits = small(small.fuse(aux), ids, pos)[0]               # [2, 6, 128]
+    assert torch.equal(small_logits, full_logits[..., rows])
+    full_pick = model.draft_to_target(full_logits.argmax(-1))           # target ids [2, 6]
+    small_pick = small.draft_to_target(small_logits.argmax(-1))
+    kept = t2d[full_pick]
+    assert torch.equal(small_pick[kept], full_pick[kept])
+    assert bool(t2d[small_pick].all()) and torch.equal(draft_to_target_ids(small.d2t), draft_to_target_ids(d2t))
+    back = load_export(export_vllm(small, tmp_path / "small", tiny_target_dir, k=2), tiny_target_dir)
+    assert_same_drafter(small, back)

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from eagle3lib.vocab import (build_draft_vocab, count_assistant_tokens, coverage, coverage_curve,
-                             draft_to_target_ids, load_vocab, ranked_token_ids, save_vocab)
+                             draft_to_target_ids, load_vocab, ranked_token_ids, save_vocab,
+                             shrink_draft_vocab)
 
 
 def check_consistent(d2t, t2d, draft_size, vocab_size):
@@ -96,3 +97,26 @@ def test_save_load_roundtrip(tmp_path):
         load_vocab(path)
     with pytest.raises(ValueError):
         save_vocab(path, d2t.to(torch.int32), t2d)
+
+
+def test_shrink_keeps_the_most_frequent_draft_tokens():
+    # Draft vocabulary = target ids [1, 2, 3, 7, 9]; counts rank them 7, 3 = 9 (tie: 3 first), 1, 2.
+    counts = torch.tensor([50, 4, 1, 6, 0, 40, 0, 9, 0, 6])   # 0 and 5 are frequent but not draft tokens
+    d2t, _ = build_draft_vocab(torch.tensor([0, 9, 8, 7, 0, 0, 0, 6, 0, 5]), 5)
+    assert draft_to_target_ids(d2t).tolist() == [1, 2, 3, 7, 9]
+    rows, small_d2t, small_t2d = shrink_draft_vocab(d2t, counts, 3)
+    check_consistent(small_d2t, small_t2d, 3, 10)
+    assert draft_to_target_ids(small_d2t).tolist() == [3, 7, 9]
+    assert rows.tolist() == [2, 3, 4]                          # their rows in the old head, ascending
+    assert draft_to_target_ids(d2t)[rows].tolist() == [3, 7, 9]
+    rows, small_d2t, _ = shrink_draft_vocab(d2t, counts, 2)    # the tie at 6 goes to the smaller id
+    assert draft_to_target_ids(small_d2t).tolist() == [3, 7]
+    rows, small_d2t, small_t2d = shrink_draft_vocab(d2t, counts, 5)   # same size: unchanged
+    assert torch.equal(small_d2t, d2t) and rows.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_shrink_size_out_of_range_raises():
+    d2t, _ = build_draft_vocab(torch.arange(10), 4)
+    for size in (0, 5):
+        with pytest.raises(ValueError, match="must be in 1..4"):
+            shrink_draft_vocab(d2t, torch.arange(10), size)
