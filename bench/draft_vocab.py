@@ -77,7 +77,7 @@ def main(argv=None) -> int:
         held_out[name] = coverage(eval_counts, t2d)
 
     t0 = time.time()
-    summary, raw, _ = sc.vllm_compare(P, layout, exports, workdir / "vllm", limit=args.prompts or P.eval.vllm_prompts)
+    summary, raw, _ = sc.vllm_compare(P, layout, exports, workdir / "vllm", limit=args.prompts)
     summary["held_out_coverage"] = summary["method"].map(held_out)
     columns = ["method", "k", "prompts", "new_tokens", "tokens_per_s", "speedup", "acceptance_length",
                "held_out_coverage", "same_output_as_plain"]

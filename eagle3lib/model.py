@@ -546,7 +546,7 @@ class Eagle3Drafter(nn.Module):
 
     def with_draft_rows(self, rows: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> "Eagle3Drafter":
         """A copy whose head keeps only draft ids `rows` [Dv'] (vocab.shrink_draft_vocab gives rows,
-        d2t [Dv'] and t2d [V]); every other weight is shared unchanged. Its logits are this
+        d2t [Dv'] and t2d [V]); every other weight is copied unchanged. Its logits are this
         drafter's logits[..., rows]."""
         small = type(self)(replace(self.config, draft_vocab_size=int(rows.numel()))).to(self.fc.weight.dtype)
         state = {**self.state_dict(), "lm_head.weight": self.lm_head.weight.detach()[rows],   # [Dv', H]

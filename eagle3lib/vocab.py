@@ -52,7 +52,12 @@ def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torc
     if not 1 <= draft_vocab_size <= vocab_size:
         raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in 1..{vocab_size}")
     kept = torch.sort(ranked_token_ids(counts)[:draft_vocab_size]).values  # [Dv] target ids, ascending
-    d2t = kept - torch.arange(draft_vocab_size, dtype=torch.int64)        # [Dv]
+    return vocab_of(kept, vocab_size)
+
+
+def vocab_of(kept: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t int64 [Dv], t2d bool [V]) of the draft vocabulary made of target ids `kept` [Dv] (ascending)."""
+    d2t = kept - torch.arange(kept.numel(), dtype=torch.int64)            # [Dv]
     t2d = torch.zeros(vocab_size, dtype=torch.bool)                       # [V]
     t2d[kept] = True
     return d2t, t2d
@@ -66,16 +71,12 @@ def shrink_draft_vocab(d2t: torch.Tensor, counts: torch.Tensor,
     by the smaller id, like build_draft_vocab. Returns (rows int64 [size]: the kept draft ids,
     ascending, i.e. the lm_head rows to keep; d2t int64 [size]; t2d bool [V]). A head cut to these
     rows proposes the same token as the full head wherever the full head's argmax is kept."""
-    Dv, V = d2t.numel(), counts.numel()
-    if not 1 <= size <= Dv:
-        raise ValueError(f"draft vocabulary size {size} must be in 1..{Dv} (the drafter's draft vocabulary)")
+    if not 1 <= size <= d2t.numel():
+        raise ValueError(f"draft vocabulary size {size} must be in 1..{d2t.numel()} (the drafter's draft vocabulary)")
     target_ids = draft_to_target_ids(d2t)                                  # [Dv], ascending
-    order = torch.sort(-counts[target_ids].to(torch.int64), stable=True).indices   # [Dv] ties: smaller id
-    rows = torch.sort(order[:size]).values                                 # [size] draft ids, ascending
-    kept = target_ids[rows]                                                # [size] target ids, ascending
-    t2d = torch.zeros(V, dtype=torch.bool)                                 # [V]
-    t2d[kept] = True
-    return rows, kept - torch.arange(size, dtype=torch.int64), t2d
+    # Draft ids ranked by their tokens' counts; ties go to the smaller draft id, i.e. the smaller target id.
+    rows = torch.sort(ranked_token_ids(counts[target_ids])[:size]).values  # [size] draft ids, ascending
+    return (rows, *vocab_of(target_ids[rows], counts.numel()))
 
 
 def draft_to_target_ids(d2t: torch.Tensor) -> torch.Tensor:
