@@ -60,7 +60,7 @@ pipeline: setup
 # (the notebooks' default parameters), in order, in a fresh outputs/ci run.
 test: setup
 	rm -rf outputs/ci
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 	$(PY) -m pytest -q --nbval-lax -p no:randomly notebooks
 
 test-fast: setup

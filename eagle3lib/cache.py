@@ -21,7 +21,13 @@ sequence lengths and two token budgets, fixed before any work. A shard is writte
 manifest (atomic rewrite), so a folder never holds a half shard under a real name. Several writers
 (torchrun ranks) each record into their own `manifest.part-XXXXX.json`; `merge_manifests` joins them.
 
-    cache = check_cache(P, layout, "train")    # open, same params as P, every shard's sha256 checked
+Verification (`verify_cache`, through `check_cache`): sizes, manifest and tensor shapes of every
+shard always; sha256 of every shard (full), of a seeded fraction (sampled) or of none (sizes),
+split across torchrun ranks. `verified.json` beside the manifest records each shard hashed (its
+manifest sha256 and file size, mtime, ctime, inode), so a shard is hashed once while it stays as
+it was, and the bad shards a verification found, which the extract stage then redoes.
+
+    cache = check_cache(P, layout, "train")    # open, same params as P, verified (train.verify_cache)
     item = cache.get(0)                        # input_ids [T], loss_mask [T], aux [T, 3, H], final [T, H]
 """
 from __future__ import annotations
@@ -30,14 +36,17 @@ import contextlib
 import errno
 import hashlib
 import json
+import math
 import os
 import queue
+import random
 import struct
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 import torch
@@ -47,9 +56,14 @@ from .files import atomic_write_json, read_json
 from .layout import RunLayout
 from .params import Params
 
+if TYPE_CHECKING:
+    from .dist import Dist
+
 FORMAT = "eagle3lab-hidden-cache"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+VERIFIED = "verified.json"          # verify_cache's record, beside the manifest
+VERIFY_MODES = ("full", "sampled", "sizes")
 # safetensors dtype codes and element sizes of what a shard holds.
 ST_DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
 RERUN = "rerun 03_extract: eagle3 run --params <profile> --only extract"   # the fix named in errors
@@ -404,12 +418,13 @@ def read_records(out_dir: Path, ident: dict) -> dict:
 
 
 def record_is_valid(out_dir: Path, rec: Optional[ShardRecord], plan: ShardPlan) -> bool:
-    """A recorded shard counts as done if it holds the planned rows and its file still has the
-    recorded size and sha256."""
+    """A recorded shard counts as done if it holds the planned rows, its file still has the recorded
+    size, and no verification found it bad (verified.json). Its bytes are not hashed again here: the
+    writer hashed them before recording them, and re-reading them is verify_cache's job."""
     if rec is None or rec.seq_index != plan.seq_index or rec.file != plan.file:
         return False
     path = out_dir / plan.file
-    return path.is_file() and path.stat().st_size == rec.bytes and file_sha256(path) == rec.sha256
+    return path.is_file() and path.stat().st_size == rec.bytes and plan.file not in found_bad(out_dir)
 
 
 def merge_manifests(out_dir: Path, header: Optional[CacheHeader], own: dict, plans: list) -> Manifest:
@@ -586,32 +601,47 @@ class HiddenCache:
     def verify(self, workers: Optional[int] = None) -> bool:
         """Every recorded shard has its recorded size and sha256 and the expected tensor shapes;
         raises CacheError naming the bad shards and the fix, returns True otherwise. Reads every
-        byte: shards are hashed on `workers` threads (default: up to 8; hashlib releases the GIL)."""
-        workers = workers or min(8, os.cpu_count() or 1)
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            problems = list(pool.map(self._shard_problem, self.manifest.shards))
-        bad = [f"{rec.file}: {p}" for rec, p in zip(self.manifest.shards, problems) if p]
-        if bad:
-            raise CacheError(f"{self.path}: {len(bad)} bad shard(s): " + "; ".join(bad) +
-                             f". The extract stage redoes them: {RERUN}.")
+        byte (no record kept: see verify_cache); hashes on `workers` threads (see hash_problems)."""
+        problems = {rec.file: self.shard_problem(rec) for rec in self.manifest.shards}
+        problems.update(self.hash_problems([r for r in self.manifest.shards if not problems[r.file]], workers))
+        self._raise_if_bad(problems)
         return True
 
-    def _shard_problem(self, rec: ShardRecord) -> Optional[str]:
-        """What is wrong with one shard file, or None."""
+    def shard_problem(self, rec: ShardRecord) -> Optional[str]:
+        """What is wrong with one shard file short of its bytes (missing, size, tensor shapes: its
+        header only), or None."""
         path = self.path / rec.file
         if not path.is_file():
             return "missing"
         size = path.stat().st_size
         if size != rec.bytes:
             return f"size {size} bytes, the manifest says {rec.bytes}"
-        if file_sha256(path) != rec.sha256:
-            return "sha256 differs from the manifest (the file was changed or corrupted)"
-        with safe_open(str(path), framework="pt") as f:
-            n, H = rec.num_tokens, self.hidden_size
-            shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+        except SafetensorError as e:
+            return f"unreadable shard ({e})"
+        n, H = rec.num_tokens, self.hidden_size
         want = {"aux": [n, len(self.aux_layers), H], "final": [n, H], "input_ids": [n], "loss_mask": [n],
                 "offsets": [len(rec.seq_index) + 1], "seq_index": [len(rec.seq_index)]}
         return f"tensor shapes {shapes} != {want}" if shapes != want else None
+
+    def hash_problems(self, records: list, workers: Optional[int] = None) -> dict:
+        """{file: None or what is wrong} for the sha256 of `records` (ShardRecord list), hashed on
+        `workers` threads (default: up to 8; hashlib releases the GIL)."""
+        def problem(rec: ShardRecord) -> Optional[str]:
+            if file_sha256(self.path / rec.file) != rec.sha256:
+                return "sha256 differs from the manifest (the file was changed or corrupted)"
+            return None
+        workers = workers or min(8, os.cpu_count() or 1)
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return dict(zip((r.file for r in records), pool.map(problem, records)))
+
+    def _raise_if_bad(self, problems: dict) -> None:
+        bad = [f"{rec.file}: {problems[rec.file]}" for rec in self.manifest.shards if problems.get(rec.file)]
+        if bad:
+            raise CacheError(f"{self.path}: {len(bad)} bad shard(s): " + "; ".join(bad) +
+                             f". The extract stage redoes them: {RERUN}.")
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -629,12 +659,113 @@ def _read_offsets(path: Path) -> list:
         raise CacheError(f"{path}: unreadable shard ({e}); {RERUN}") from e
 
 
-def check_cache(P: Params, layout: RunLayout, split: str, verify: bool = True) -> HiddenCache:
+# ---- verification once per cache: verified.json ------------------------------------------------
+def sample_shards(num_shards: int, fraction: float, seed: int) -> list:
+    """The shard positions a sampled verification hashes: ceil(fraction x num_shards) of them (at
+    least one), a seeded choice, sorted."""
+    if num_shards == 0:
+        return []
+    k = min(num_shards, max(1, math.ceil(fraction * num_shards)))
+    return sorted(random.Random(seed).sample(range(num_shards), k))
+
+
+def _stat(path: Path) -> Optional[list]:
+    """[size, mtime_ns, ctime_ns, inode] of a file (any write, copy or replacement changes it; ctime
+    cannot be set back by hand), None when it is missing."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def read_verified(folder) -> dict:
+    """verify_cache's record of `folder`: {"hashed": {file: entry}, "bad": {file: entry}, ...}, an
+    entry being {"sha256" (the manifest's), "stat": _stat(file)}; empty when there is none or
+    it is unreadable (then everything is verified again)."""
+    path = Path(folder) / VERIFIED
+    try:
+        record = read_json(path)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {"hashed": {}, "bad": {}}
+    if not isinstance(record, dict) or not isinstance(record.get("hashed"), dict) \
+            or not isinstance(record.get("bad"), dict):
+        return {"hashed": {}, "bad": {}}
+    return record
+
+
+def _still_holds(entry: Optional[dict], rec: ShardRecord, stat: Optional[list]) -> bool:
+    """An entry of verified.json describes the file as it is now, recorded with this sha256."""
+    return isinstance(entry, dict) and entry.get("sha256") == rec.sha256 and stat is not None \
+        and entry.get("stat") == stat
+
+
+def found_bad(folder) -> set:
+    """Shard files the last verification found bad and that are still as they were then, missing
+    ones included (the extract stage redoes these; verify_cache counts them bad without hashing)."""
+    folder = Path(folder)
+    return {file for file, entry in read_verified(folder)["bad"].items()
+            if isinstance(entry, dict) and entry.get("stat") == _stat(folder / file)}
+
+
+def verify_cache(cache: HiddenCache, mode: str = "full", sample: float = 0.05, seed: int = 0,
+                 dist: Optional["Dist"] = None, workers: Optional[int] = None) -> dict:
+    """Verify `cache` once: sizes, manifest and tensor shapes of every shard always (headers only);
+    then sha256 of every shard (mode "full"), of sample_shards(n, sample, seed) ("sampled") or of
+    none ("sizes"), skipping the shards verified.json lists as hashed while they keep their manifest
+    sha256 and file stat (_stat). Under torchrun (dist) every rank calls this and hashes every
+    world-th of the shards left, the results are gathered, rank 0 updates verified.json
+    (atomically); every rank raises the same CacheError naming the bad shards.
+    -> a summary dict: shards hashed, bytes hashed, seconds."""
+    if mode not in VERIFY_MODES:
+        raise ValueError(f"verification mode {mode!r}: use one of {', '.join(VERIFY_MODES)}")
+    rank, world = (dist.rank, dist.world) if dist is not None else (0, 1)
+    start = time.perf_counter()
+    shards = cache.manifest.shards
+    stats = {rec.file: _stat(cache.path / rec.file) for rec in shards}          # before any hashing
+    problems = {rec.file: p for rec in shards if (p := cache.shard_problem(rec))}
+    record = read_verified(cache.path)
+    for file in (found_bad(cache.path) & set(stats)) - set(problems):    # unchanged since found bad
+        problems[file] = f"{record['bad'][file].get('problem')} (found by an earlier verification)"
+    chosen = {"full": range(len(shards)), "sampled": sample_shards(len(shards), sample, seed),
+              "sizes": []}[mode]
+    todo = [shards[i] for i in chosen if shards[i].file not in problems
+            and not _still_holds(record["hashed"].get(shards[i].file), shards[i], stats[shards[i].file])]
+    found = cache.hash_problems(todo[rank::world], workers)
+    if world > 1:
+        found = {k: v for part in dist.all_gather_object(found) for k, v in part.items()}
+    problems.update({file: p for file, p in found.items() if p})
+    summary = {"mode": mode, "shards": len(shards), "shards_hashed": len(todo),
+               "bytes_hashed": sum(r.bytes for r in todo), "bytes_total": sum(r.bytes for r in shards),
+               "shards_already_verified": len(chosen) - len(todo), "bad": len(problems), "world": world,
+               "seconds": time.perf_counter() - start}
+    if rank == 0:
+        _record_verification(cache, record, todo, problems, stats, summary)
+    cache._raise_if_bad(problems)
+    return summary
+
+
+def _record_verification(cache: HiddenCache, record: dict, hashed: list, problems: dict, stats: dict,
+                         summary: dict) -> None:
+    """verified.json after a verification: entries of shards no longer in the manifest dropped, the
+    shards just hashed added as good or bad, and this verification's summary ("last")."""
+    shas = {rec.file: rec.sha256 for rec in cache.manifest.shards}
+    good = {f: e for f, e in record["hashed"].items() if f in shas and f not in problems}
+    for rec in hashed:
+        if rec.file not in problems:
+            good[rec.file] = {"sha256": rec.sha256, "stat": stats[rec.file]}
+    bad = {f: {"sha256": shas[f], "stat": stats[f], "problem": p} for f, p in problems.items()}
+    atomic_write_json(cache.path / VERIFIED, {"fingerprint": cache.fingerprint, "last": summary,
+                                              "hashed": good, "bad": bad})
+
+
+def check_cache(P: Params, layout: RunLayout, split: str, dist: Optional["Dist"] = None,
+                mode: Optional[str] = None) -> HiddenCache:
     """The cache of `split` for training with params P: complete, made from these params (the
     manifest's params_hash is cache_params_hash(P): same data and extract sections, seed and
-    target), and every shard's size and sha256 as recorded. Otherwise a CacheError naming the
-    folder and the stage to rerun. Reads every shard once (see HiddenCache.verify); verify=False
-    skips that read (the other ranks of a torchrun job, while rank 0 reads)."""
+    target), and verified by verify_cache in `mode` (default train.verify_cache, with
+    train.verify_sample and the seed). Otherwise a CacheError naming the folder and the stage to
+    rerun. Under torchrun every rank calls it with its `dist` (the ranks share the hashing)."""
     folder = layout.hidden(split)
     cache = HiddenCache(folder)
     have, want = cache.manifest.header.params_hash, cache_params_hash(P)
@@ -647,6 +778,5 @@ def check_cache(P: Params, layout: RunLayout, split: str, verify: bool = True) -
     if cache.manifest.header.split != split:
         raise CacheError(f"{folder} holds the {cache.manifest.header.split!r} split, not {split!r}; "
                          f"delete {folder} and {RERUN}")
-    if verify:
-        cache.verify()
+    verify_cache(cache, mode or P.train.verify_cache, P.train.verify_sample, P.seed, dist)
     return cache

@@ -84,6 +84,28 @@ def _utf8_error(text: str, start: int, end: int, where: str) -> Optional[Malform
     return MalformedRecord("not_utf8", f"{where}: byte {byte!r} at byte offset {offset}")
 
 
+# A surrogate code point left after JSON decoding: a lone "\ud800"-style escape (a pair decodes to one
+# character), which no text can hold and UTF-8 cannot encode.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(record: Any, where: str) -> Optional[MalformedRecord]:
+    """An "invalid_json" MalformedRecord when a string in `record` holds a lone surrogate escape."""
+    stack = [record]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if (bad := _SURROGATE.search(item)) is not None:
+                return MalformedRecord("invalid_json", f"{where}: lone surrogate escape \\u{ord(bad.group()):04x} "
+                                                       "(not a character; fix or drop the record)")
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
+
+
 def iter_json_array(path: Path, max_records: Optional[int] = None) -> Iterator[Any]:
     """Records of a JSON array file, one at a time with `raw_decode`, so that a file cut off inside
     its last record still yields every whole record. A broken tail yields one MalformedRecord
@@ -93,7 +115,7 @@ def iter_json_array(path: Path, max_records: Optional[int] = None) -> Iterator[A
     MalformedRecord("not_utf8") (counted like any other bad record, the rest of the file is read);
     one between records breaks the JSON and ends the stream as above."""
     path = Path(path)
-    text = path.read_text(encoding="utf-8", errors="surrogateescape")
+    text = path.read_text(encoding="utf-8-sig", errors="surrogateescape")     # -sig: a leading BOM is dropped
     any_bad_bytes = _NOT_UTF8.search(text) is not None
     decoder = json.JSONDecoder()
     pos = _SEPARATORS.match(text, 0).end()
@@ -114,6 +136,7 @@ def iter_json_array(path: Path, max_records: Optional[int] = None) -> Iterator[A
             return
         count += 1
         bad = _utf8_error(text, start, pos, path.name) if any_bad_bytes else None
+        bad = bad or _lone_surrogate(record, f"{path.name} char {start}")
         yield record if bad is None else bad
 
 
@@ -123,7 +146,7 @@ def iter_jsonl(path: Path, max_records: Optional[int] = None) -> Iterator[Any]:
     newlines, so an undecodable byte never moves a line boundary)."""
     path = Path(path)
     count = 0
-    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
         for line_no, line in enumerate(f, 1):
             if max_records is not None and count >= max_records:
                 return
@@ -135,9 +158,11 @@ def iter_jsonl(path: Path, max_records: Optional[int] = None) -> Iterator[Any]:
                 yield bad
                 continue
             try:
-                yield json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError as e:
                 yield MalformedRecord("invalid_json", f"{path.name} line {line_no}: {e.msg}")
+                continue
+            yield _lone_surrogate(record, f"{path.name} line {line_no}") or record
 
 
 # ---- sources ------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 compare runs.
 
     eagle3 run --params params/local.yaml [--only data,extract] [--run-name NAME]
+    eagle3 run --params params/b300.yaml --smoke       # the same stages on a tiny slice, first
     eagle3 plan --params params/b300.yaml
     eagle3 params --params params/ci.yaml
     eagle3 compare local local-wd [--plot outputs/local-vs-wd.png]
@@ -12,7 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .files import RunLocked
+from .files import MetricsError, RunLocked, UnsafeLink
+from .fingerprint import TargetMismatch
 from .params import ParamsError, check_run_name, dump, load_params, repo_root
 
 
@@ -26,6 +28,10 @@ def main(argv=None) -> int:
     run.add_argument("--run-name", default=None,
                      help="folder under outputs/ (letters, digits, '.', '-', '_'; default: the profile's run_name)")
     run.add_argument("--no-html", action="store_true")
+    run.add_argument("--smoke", action="store_true",
+                     help="the same target, engines, parallel layout and stages on a tiny slice (eagle3lib/smoke.py) "
+                          "in outputs/<run_name>-smoke/, training resumed once from a checkpoint; prints each "
+                          "stage's time beside the plan's for the slice and the full run")
     plan = sub.add_parser("plan", help="print the capacity plan of a profile (runs nothing)")
     plan.add_argument("--params", required=True)
     show = sub.add_parser("params", help="print the fully resolved profile")
@@ -46,23 +52,41 @@ def main(argv=None) -> int:
         elif args.cmd == "compare":
             compare(args.runs, args.outputs, args.plot)
         elif args.cmd == "run":
-            from .runner import NotebookFailed, run_pipeline   # papermill on the way: only for `run`
-            if args.run_name is not None:
-                check_run_name(args.run_name, "--run-name")
-            try:
-                results = run_pipeline(args.params, only=args.only, run_name=args.run_name,
-                                       html=not args.no_html)
-            except NotebookFailed as e:
-                print(f"eagle3: {e}", file=sys.stderr)
-                return 1
-            for r in results:
-                print(f"{r.stage:<9} {r.seconds:7.0f} s  {r.notebook}")
-    except (ParamsError, FileNotFoundError) as e:
+            return run_command(args)
+    except (ParamsError, FileNotFoundError, MetricsError, UnsafeLink, TargetMismatch) as e:
         print(f"eagle3: {e}", file=sys.stderr)
+        return 2
+    except PermissionError as e:
+        print(f"eagle3: permission denied on {e.filename}: the run folder must be writable "
+              "(chmod u+w, chattr -i) or choose another --run-name", file=sys.stderr)
         return 2
     except RunLocked as e:
         print(f"eagle3: {e}", file=sys.stderr)
         return 3
+    return 0
+
+
+def run_command(args) -> int:
+    """`eagle3 run`: the notebooks in order (or the smoke run); 1 when a notebook fails."""
+    from .runner import NotebookFailed, RunInterrupted, format_smoke, run_pipeline, run_smoke   # papermill: only for `run`
+    if args.run_name is not None:
+        check_run_name(args.run_name, "--run-name")
+    report = None
+    try:
+        if args.smoke:
+            results, report = run_smoke(args.params, only=args.only, run_name=args.run_name, html=not args.no_html)
+        else:
+            results = run_pipeline(args.params, only=args.only, run_name=args.run_name, html=not args.no_html)
+    except NotebookFailed as e:
+        print(f"eagle3: {e}", file=sys.stderr)
+        return 1
+    except RunInterrupted as e:
+        print(f"eagle3: {e}", file=sys.stderr)
+        return 130
+    for r in results:
+        print(f"{r.stage:<13} {r.seconds:7.0f} s  {r.notebook}")
+    if report is not None:
+        print(format_smoke(report))
     return 0
 
 

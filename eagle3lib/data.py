@@ -7,9 +7,12 @@ Pipeline (`prepare_data`):
 3. drop exact duplicates (same normalised messages), make ids unique;
 4. split deterministically: every chat gets the key sha256(seed, id); the `num_eval` smallest keys
    are the held-out eval set, the train set is taken from the rest in key order;
-5. optionally regenerate the assistant turns with the target itself (`regenerate.py`);
-6. tokenise with the target's own chat template; loss mask = 1 on assistant content tokens and the
-   end-of-turn token that closes them, 0 elsewhere; truncate to `data.max_length`;
+5. optionally regenerate the assistant turns with the target itself (`regenerate.py`): such a
+   chat's sequence is token-exact, the prompt ids sent to the engine and the ids it generated
+   (regenerate.token_sequence), loss mask = 1 on exactly the generated ids;
+6. every other chat is rendered with the target's own chat template (in data.thinking's mode) and
+   tokenised; loss mask = 1 on assistant content tokens and the end-of-turn token that closes
+   them, 0 elsewhere; every sequence is truncated to `data.max_length`;
 7. count assistant-token frequencies on the train split -> draft vocabulary (`vocab.py`).
 
 Steps 1-4 and the normalisation rules are in chats.py (`held_out_chats`); this module renders,
@@ -22,6 +25,7 @@ an edited or switched source is rebuilt. `stats.load_stats` is its one reader (a
 """
 from __future__ import annotations
 
+import functools
 import html
 import json
 import os
@@ -32,13 +36,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-
 from . import vocab as vocab_lib
+from .chat_template import check_thinking_kwarg, render_text, thinking_active
 from .chats import (MalformedRecord, describe_sources, first_user_prompt, held_out_chats, normalize_chat,
                     source_sha256)
-from .files import atomic_write_json, read_json, remove_tree
+from .files import atomic_write_json, check_run_links, read_json, remove_tree
 from .layout import RunLayout
-from .params import resolve_path
+from .params import ParamsError, regen_cap_problem, resolve_path
 from .progress import tqdm
 from .regenerate import regen_key, regenerate_chats
 from .stats import DataStats, RegenStats, SplitStats, load_stats
@@ -62,13 +66,13 @@ def end_of_turn_strings(tokenizer) -> list[str]:
     return sorted((s for s in strings if s), key=len, reverse=True)
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, thinking: str = "auto") -> str:
+    return render_text(tokenizer, messages, add_generation_prompt, thinking)
 
 
 def render_with_spans(tokenizer, messages: list[dict], max_chars: Optional[int] = None,
-                      end_strings: Optional[list[str]] = None) -> tuple[str, list[tuple[int, int]]]:
+                      end_strings: Optional[list[str]] = None,
+                      thinking: str = "auto") -> tuple[str, list[tuple[int, int]]]:
     """Render a chat with the tokenizer's chat template and find the assistant spans.
 
     Each assistant span [start, end) covers the assistant content plus the end-of-turn token that
@@ -81,17 +85,17 @@ def render_with_spans(tokenizer, messages: list[dict], max_chars: Optional[int] 
     Raises MalformedRecord("template_error") when the template is not incremental."""
     clean = [{"role": m["role"], "content": m["content"]} for m in messages]
     end_strings = end_of_turn_strings(tokenizer) if end_strings is None else end_strings
-    text = _render(tokenizer, clean)
+    text = _render(tokenizer, clean, thinking=thinking)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        prompt = _render(tokenizer, clean[:i], add_generation_prompt=True)
+        prompt = _render(tokenizer, clean[:i], add_generation_prompt=True, thinking=thinking)
         if not text.startswith(prompt):
             raise MalformedRecord("template_error", f"the prompt before assistant turn {i} is not a prefix")
         if max_chars is not None and len(prompt) >= max_chars:
             break
-        upto = _render(tokenizer, clean[:i + 1])
+        upto = _render(tokenizer, clean[:i + 1], thinking=thinking)
         if not text.startswith(upto):
             raise MalformedRecord("template_error", f"the chat up to turn {i} is not a prefix")
         segment = upto[len(prompt):]
@@ -140,43 +144,69 @@ def _tokenize_pieces(tokenizer, text: str, spans: list[tuple[int, int]]) -> tupl
     return ids, mask
 
 
+@functools.lru_cache(maxsize=8)
+def max_chars_per_token(tokenizer) -> int:
+    """An upper bound on the characters one token decodes to: its longest vocabulary string
+    (byte-level and SentencePiece vocabularies spell a character with at least one symbol)."""
+    return max(1, max(len(str(t)) for t in tokenizer.get_vocab()))
+
+
+def cut_long_messages(tokenizer, messages: list[dict], max_length: int) -> list[dict]:
+    """Messages with content cut to (max_length + 1) x max_chars_per_token characters: those hold
+    more than max_length tokens, so the truncated sequence is unchanged, and a 20 MB message costs
+    no more than a long one to tokenise (or to skip)."""
+    bound = (max_length + 1) * max_chars_per_token(tokenizer)
+    return [m if len(m["content"]) <= bound else {**m, "content": m["content"][:bound]} for m in messages]
+
+
 def tokenize_chat(tokenizer, messages: list[dict], max_length: int,
-                  end_strings: Optional[list[str]] = None) -> dict:
-    """Chat -> {"input_ids", "loss_mask", "num_tokens" (before truncation), "truncated"}.
+                  end_strings: Optional[list[str]] = None, thinking: str = "auto") -> dict:
+    """Chat -> {"input_ids", "loss_mask", "num_tokens" (before truncation, counted up to
+    max_length + 1), "truncated"}.
 
     The whole chat is tokenised once (as the model reads it); the loss mask comes from the
     assistant character spans via the token offsets. Truncated to `max_length` tokens."""
-    text = _render(tokenizer, [{"role": m["role"], "content": m["content"]} for m in messages])
+    messages = cut_long_messages(tokenizer, messages, max_length)
+    text = _render(tokenizer, [{"role": m["role"], "content": m["content"]} for m in messages], thinking=thinking)
     if getattr(tokenizer, "is_fast", False):
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        # max_length + 1 tokens tell whether the chat was truncated; a 20 MB message then costs the
+        # tokenizer's own pass, not Python lists of millions of ids and offsets
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True,
+                        truncation=True, max_length=max_length + 1)
         offsets = enc["offset_mapping"]
         # Assistant turns that start after the truncation point need no rendering.
         max_chars = offsets[max_length][0] if len(offsets) > max_length else None
-        text2, spans = render_with_spans(tokenizer, messages, max_chars, end_strings)
+        text2, spans = render_with_spans(tokenizer, messages, max_chars, end_strings, thinking)
         if text2 != text:  # a capped last turn cut the text: tokenise what is left
-            enc = tokenizer(text2, add_special_tokens=False, return_offsets_mapping=True)
+            enc = tokenizer(text2, add_special_tokens=False, return_offsets_mapping=True,
+                            truncation=True, max_length=max_length + 1)
             offsets = enc["offset_mapping"]
         input_ids = list(enc["input_ids"])
         loss_mask = _mask_from_offsets(offsets, spans)
     else:
-        text2, spans = render_with_spans(tokenizer, messages, None, end_strings)
+        text2, spans = render_with_spans(tokenizer, messages, None, end_strings, thinking)
         input_ids, loss_mask = _tokenize_pieces(tokenizer, text2, spans)
+    return _truncated(input_ids, loss_mask, max_length)
+
+
+def _truncated(input_ids: list, loss_mask: list, max_length: int) -> dict:
     num_tokens = len(input_ids)
     return {"input_ids": input_ids[:max_length], "loss_mask": loss_mask[:max_length],
             "num_tokens": num_tokens, "truncated": num_tokens > max_length}
 
 
-def first_answer_fits(tokenizer, messages: list[dict], max_length: int) -> bool:
+def first_answer_fits(tokenizer, messages: list[dict], max_length: int, thinking: str = "auto") -> bool:
     """Whether the first assistant turn starts before `max_length` tokens (else truncation
     would leave nothing to train on)."""
-    clean = [{"role": m["role"], "content": m["content"]} for m in messages]
+    clean = [{"role": m["role"], "content": m["content"]} for m in cut_long_messages(tokenizer, messages, max_length)]
     first = next(i for i, m in enumerate(clean) if m["role"] == "assistant")
-    prompt = _render(tokenizer, clean[:first], add_generation_prompt=True)
-    return len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) < max_length
+    prompt = _render(tokenizer, clean[:first], add_generation_prompt=True, thinking=thinking)
+    return len(tokenizer(prompt, add_special_tokens=False, truncation=True, max_length=max_length)["input_ids"]) \
+        < max_length
 
 
 def select_train(tokenizer, pool: list[dict], num_train: Optional[int], max_length: int,
-                 progress: bool = False) -> tuple[list[dict], int]:
+                 progress: bool = False, thinking: str = "auto") -> tuple[list[dict], int]:
     """Take chats from the front of the (key-ordered) pool whose first answer fits in
     `max_length`, until `num_train` (None: all). Returns (chats, skipped_prompt_too_long)."""
     chosen, skipped = [], 0
@@ -184,7 +214,7 @@ def select_train(tokenizer, pool: list[dict], num_train: Optional[int], max_leng
     for chat in pool:
         if num_train is not None and len(chosen) >= num_train:
             break
-        if first_answer_fits(tokenizer, chat["messages"], max_length):
+        if first_answer_fits(tokenizer, chat["messages"], max_length, thinking):
             chosen.append(chat)
             bar.update(1)
         else:
@@ -194,15 +224,20 @@ def select_train(tokenizer, pool: list[dict], num_train: Optional[int], max_leng
 
 
 def tokenize_chats(tokenizer, chats: list[dict], max_length: int,
-                   progress: bool = False, desc: str = "tokenize") -> tuple[dict, dict]:
+                   progress: bool = False, desc: str = "tokenize", thinking: str = "auto") -> tuple[dict, dict]:
     """Tokenise chats into columns {conv_id, input_ids, loss_mask}; drops (and counts) sequences
-    with no assistant token left after truncation and chats the template cannot render."""
+    with no assistant token left after truncation and chats the template cannot render. A chat
+    that carries "input_ids" and "loss_mask" (regenerated: the ids the target produced) keeps
+    them as they are, only truncated; the others are rendered and tokenised (tokenize_chat)."""
     end_strings = end_of_turn_strings(tokenizer)
     columns = {"conv_id": [], "input_ids": [], "loss_mask": []}
     stats = Counter()
     for chat in tqdm(chats, desc=desc, disable=not progress):
         try:
-            row = tokenize_chat(tokenizer, chat["messages"], max_length, end_strings)
+            if "input_ids" in chat:
+                row = _truncated(chat["input_ids"], chat["loss_mask"], max_length)
+            else:
+                row = tokenize_chat(tokenizer, chat["messages"], max_length, end_strings, thinking)
         except MalformedRecord:
             stats["template_error"] += 1
             continue
@@ -330,6 +365,38 @@ def _write_outputs(layout: RunLayout, train_cols: dict, eval_cols: dict, eval_ch
         remove_tree(tmp, under=layout.data, ignore_errors=True)
 
 
+def check_thinking(tokenizer, d) -> None:
+    """data.thinking against the target's template, before anything is generated: on/off must
+    change the template's output (chat_template.check_thinking_kwarg), and where the mode the
+    template runs in is thinking ("auto" on a template that thinks by default, like Kimi-K2.5's),
+    regeneration must not cut most answers (params.regen_cap_problem)."""
+    try:
+        check_thinking_kwarg(tokenizer, d.thinking)
+    except ValueError as e:
+        raise ParamsError(str(e)) from None
+    cut = regen_cap_problem(d, thinking_active(tokenizer, d.thinking))
+    if cut is not None:
+        raise ParamsError(f"data.regen_max_new_tokens: data.thinking is {d.thinking!r} and the target's chat "
+                          f"template opens a reasoning block in the generation prompt; {cut}")
+
+
+class EmptyDataset(ParamsError):
+    """No training (or held-out) sequence is left: the stage is not marked done."""
+
+
+def check_not_empty(d, train_stats: dict, eval_stats: dict, skipped_long: int, selected: int) -> None:
+    """Raise EmptyDataset naming why a split has no sequence (stats.json, the completion marker,
+    is then not written and 03/04 never see an empty dataset). An empty stats dict: not checked."""
+    for split, st in (("train", train_stats), ("eval", eval_stats)):
+        if not st or st["conversations"] > 0:
+            continue
+        why = (f"{skipped_long:,} chats skipped because the prompt before the first answer is longer than "
+               f"data.max_length ({d.max_length}), {selected:,} selected; " if split == "train" else "")
+        raise EmptyDataset(f"data: no {split} sequence left ({why}{st.get('dropped_no_assistant_tokens', 0):,} "
+                           f"dropped with no answer token inside max_length, {st.get('template_error', 0):,} "
+                           "template errors): raise data.max_length, or use a source with shorter prompts")
+
+
 def prepare_data(P, run_dir, progress: bool = True, force: bool = False) -> DataStats:
     """Build `<run>/data/` (train/eval datasets, eval prompts, draft vocabulary, stats).
 
@@ -338,19 +405,28 @@ def prepare_data(P, run_dir, progress: bool = True, force: bool = False) -> Data
     folder and moved into place; stats.json is written last, so an interrupted build is rebuilt.
     Regeneration results are kept across rebuilds (keyed by each chat's id and prompt turns)."""
     layout = RunLayout(run_dir)
+    check_run_links(layout.root)   # no write or delete may go through a link out of the run
     key = cache_key(P)  # before reading: a source edited during the build is rebuilt next time
     if not force and (cached := _cached_stats(layout, key)) is not None:
         return replace(cached, cached=True)
     t0 = time.time()
     tokenizer = load_tokenizer(target_path(P), P.target.trust_remote_code)
-    eval_chats, pool, read_stats = held_out_chats(P)
     d = P.data
-    train_chats, skipped_long = select_train(tokenizer, pool, d.num_train, d.max_length, progress)
+    check_thinking(tokenizer, d)
+    eval_chats, pool, read_stats = held_out_chats(P)
+    train_chats, skipped_long = select_train(tokenizer, pool, d.num_train, d.max_length, progress, d.thinking)
+    if not train_chats:                # before any regeneration: nothing would come of it
+        check_not_empty(d, {"conversations": 0}, {}, skipped_long, 0)
     train_in, original, eval_in, regen = _target_answers(P, run_dir, train_chats, eval_chats, progress)
 
     train_cols, train_stats = tokenize_chats(tokenizer, train_in + original, d.max_length, progress,
-                                             "tokenize train")
-    eval_cols, eval_stats = tokenize_chats(tokenizer, eval_in, d.max_length, progress, "tokenize eval")
+                                             "tokenize train", d.thinking)
+    eval_cols, eval_stats = tokenize_chats(tokenizer, eval_in, d.max_length, progress, "tokenize eval",
+                                           d.thinking)
+    check_not_empty(d, train_stats, eval_stats, skipped_long, len(train_chats))
+    if d.num_train is not None and len(train_chats) < d.num_train:
+        print(f"[data] warning: data.num_train is {d.num_train:,}, the sources hold {len(train_chats):,} usable "
+              f"training chats ({skipped_long:,} skipped: prompt longer than data.max_length); training uses those")
     vocab_size = max(int((P.target_shape() or {}).get("vocab_size", 0)), len(tokenizer))
     d2t, t2d, vocab_stats = _draft_vocab(train_cols, eval_cols, {c["id"] for c in train_in},
                                          vocab_size, d.draft_vocab_size)

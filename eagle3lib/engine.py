@@ -17,25 +17,64 @@ Settings (params, see params.TargetParams; eval and extract may override the bat
     target.trust_remote_code        the checkpoint's own config/tokenizer code (Kimi, DeepSeek)
     target.dtype, seed              the dtype the weights run in; the engine's sampling seed
     max_model_len                   per stage: prompt + answer tokens it must hold
+    extract.model_runner            vLLM's model runner for extraction; an environment variable,
+                                    not an engine argument: engine_env(P, stage)
+
+The attention backend is chosen here by the CPU's flags, not by params (`cpu_attention_backend`):
+on an AMX CPU, vLLM's CPU platform prefers its bf16-only AMX_MLA backend for MLA targets
+(vllm/platforms/cpu.py `get_attn_backend_cls`), which cannot load fp32 weights; the engine then
+asks for the reference CPU_MLA backend, which runs any dtype and is what non-AMX CPUs get anyway.
 
 This module only builds plain dicts (JSON-able, no vllm import), so the parent process can
 validate them before it starts a subprocess.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
-from .params import Params, ParamsError
+from .params import Params, ParamsError, cpu_flags
 
 STAGES = ("regenerate", "extract", "eval")
+# vLLM's CPU platform picks AMX_MLA when torch.cpu._is_amx_tile_supported(): the `amx_tile` flag
+# (every AMX CPU also lists amx_bf16 / amx_int8).
+AMX_CPU_FLAGS = {"amx_tile", "amx_bf16"}
+
+
+def uses_mla(model) -> bool:
+    """Whether the checkpoint at `model` is a multi-head latent attention (DeepSeek-V3 / Kimi)
+    target: its config.json (or its text_config, for the multimodal Kimi wrapper) has kv_lora_rank."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return any((c or {}).get("kv_lora_rank") for c in (config, config.get("text_config")))
+
+
+def cpu_attention_backend(dtype: str, mla: bool, flags: Optional[set] = None,
+                          cuda: Optional[bool] = None) -> Optional[str]:
+    """The `attention_backend` a CPU engine must ask vLLM for, or None for vLLM's own choice.
+
+    vLLM 0.32's CPU platform serves MLA with AMX_MLA whenever the CPU has AMX, unless CPU_MLA is
+    requested; AMX_MLA takes bf16 weights only ("expect weight to be bfloat16, ..." for fp32).
+    So: an MLA target in a dtype other than bf16 on an AMX CPU -> "CPU_MLA" (the reference
+    backend non-AMX CPUs use anyway); everything else (GPUs, bf16, non-MLA targets) -> None."""
+    if cuda is None:
+        import torch  # only for MLA targets, to tell a CPU engine from a GPU one
+        cuda = torch.cuda.is_available() if mla else False
+    if not mla or cuda or dtype == "bfloat16":
+        return None
+    return "CPU_MLA" if (cpu_flags() if flags is None else flags) & AMX_CPU_FLAGS else None
 
 
 def build_kwargs(model, dtype: str, max_model_len: int, seed: int = 0, *, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, enable_expert_parallel: bool = False,
                  gpu_memory_utilization: float = 0.5, max_num_batched_tokens: Optional[int] = None,
-                 enforce_eager: bool = True, trust_remote_code: bool = False, where: str = "target") -> dict:
-    """Checked `vllm.LLM` keyword arguments. `where` names the params section in errors."""
+                 enforce_eager: bool = True, trust_remote_code: bool = False,
+                 attention_backend: Optional[str] = None, where: str = "target") -> dict:
+    """Checked `vllm.LLM` keyword arguments. `where` names the params section in errors;
+    attention_backend: None (vLLM's choice) or cpu_attention_backend's answer."""
     def need(cond: bool, key: str, msg: str):
         if not cond:
             raise ParamsError(f"{where}.{key}: {msg}")
@@ -57,6 +96,8 @@ def build_kwargs(model, dtype: str, max_model_len: int, seed: int = 0, *, tensor
               "trust_remote_code": trust_remote_code}
     if max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+    if attention_backend is not None:
+        kwargs["attention_backend"] = attention_backend
     return kwargs
 
 
@@ -72,9 +113,29 @@ def engine_kwargs(P: Params, stage: str, model: str | Path, max_model_len: int,
     t = P.target
     budget = {"extract": P.extract.vllm_max_num_batched_tokens,
               "eval": P.eval.vllm_max_num_batched_tokens}.get(stage)
-    return build_kwargs(model, dtype or t.dtype, max_model_len, P.seed,
+    dtype = dtype or t.dtype
+    return build_kwargs(model, dtype, max_model_len, P.seed,
                         tensor_parallel_size=t.tensor_parallel_size, data_parallel_size=t.data_parallel_size,
                         enable_expert_parallel=t.enable_expert_parallel,
                         gpu_memory_utilization=t.gpu_memory_utilization,
                         max_num_batched_tokens=budget if budget is not None else t.max_num_batched_tokens,
-                        enforce_eager=t.enforce_eager, trust_remote_code=t.trust_remote_code)
+                        enforce_eager=t.enforce_eager, trust_remote_code=t.trust_remote_code,
+                        attention_backend=cpu_attention_backend(dtype, uses_mla(model)))
+
+
+# vLLM 0.32 has no engine argument for the model runner: VllmConfig.use_v2_model_runner reads the
+# environment variable VLLM_USE_V2_MODEL_RUNNER ("0" V1, "1" V2, unset: V2 on CUDA with Triton
+# unless a feature it lacks is configured, else V1); the engine core processes inherit it.
+MODEL_RUNNER_ENV = {"v1": "0", "v2": "1"}
+
+
+def engine_env(P: Params, stage: str) -> dict:
+    """Environment variables the vLLM subprocess of `stage` must start with (on top of its own),
+    next to engine_kwargs: for "extract", VLLM_USE_V2_MODEL_RUNNER from extract.model_runner
+    (nothing for auto: vLLM's own choice). Other stages keep vLLM's default runner."""
+    if stage not in STAGES:
+        raise ValueError(f"engine_env: unknown stage {stage!r} (known: {', '.join(STAGES)})")
+    runner = P.extract.model_runner if stage == "extract" else "auto"
+    if runner not in ("auto", *MODEL_RUNNER_ENV):
+        raise ParamsError(f"extract.model_runner: {runner!r}; expected auto, v1 or v2")
+    return {} if runner == "auto" else {"VLLM_USE_V2_MODEL_RUNNER": MODEL_RUNNER_ENV[runner]}

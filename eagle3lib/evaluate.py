@@ -44,6 +44,7 @@ from .decode import (DecodeStats, Eagle3Proposer, NgramProposer, NoProposer, gre
                      speculative_generate)
 from .domains import domain_prompts, render_capped, render_prompt   # render_prompt: the chat template -> token ids
 from .engine import engine_kwargs
+from .files import check_run_links
 from .layout import RunLayout
 from .progress import tqdm
 from .target import eos_ids, load_target, load_tokenizer, target_path
@@ -58,12 +59,13 @@ from .vllm_bench import mode, run_vllm
 
 def eval_prompts(P, run_dir, tokenizer, limit: Optional[int] = None) -> tuple:
     """Held-out prompts as ([{"id", "category", "input_ids"}], skipped): the first `limit`
-    (default eval.num_prompts) of those with at most eval.max_prompt_tokens tokens; `skipped`
-    counts the longer ones passed over."""
+    (default eval.num_prompts) of those with at most eval.max_prompt_tokens tokens, rendered in
+    data.thinking's mode (as regeneration rendered the training prompts); `skipped` counts the
+    longer ones passed over."""
     limit = limit if limit is not None else P.eval.num_prompts
     cap = P.eval.max_prompt_tokens
     records = ((r["id"], r.get("category") or "all", r["messages"]) for r in load_eval_prompts(P, run_dir))
-    prompts, skipped = render_capped(records, tokenizer, limit, cap)
+    prompts, skipped = render_capped(records, tokenizer, limit, cap, P.data.thinking)
     if not prompts:
         raise ValueError(f"no held-out evaluation prompt left ({skipped} longer than eval.max_prompt_tokens="
                          f"{cap}): check the data stage / eval.prompts_path / eval.max_prompt_tokens")
@@ -86,6 +88,7 @@ class EvalSetup:
 def load_eval_setup(P, run_dir, limit: Optional[int] = None) -> EvalSetup:
     """Target (eval.dtype), tokenizer and the held-out prompts (first eval.num_prompts). The target
     is loaded only when the reference decoder runs (reference_decoder_skip)."""
+    check_run_links(run_dir)       # no write or delete may go through a link out of the run
     tdir = target_path(P)
     tok = load_tokenizer(tdir, P.target.trust_remote_code)
     skip = reference_decoder_skip(P, tdir)
@@ -362,7 +365,8 @@ def breadth_groups(P, setup: "EvalSetup") -> list:
         return []
     sources = {CHAT: (setup.prompts[:e.breadth_prompts], setup.skipped_prompts)}
     for domain in e.domains:
-        sources[domain] = domain_prompts(domain, setup.tokenizer, e.breadth_prompts, e.max_prompt_tokens)
+        sources[domain] = domain_prompts(domain, setup.tokenizer, e.breadth_prompts, e.max_prompt_tokens,
+                                         thinking=P.data.thinking)
     groups = []
     for domain, (prompts, skipped) in sources.items():
         for t in [e.temperature] + list(e.sample_temperatures):

@@ -22,7 +22,9 @@ Every design choice is written explicitly, because the two layouts default diffe
 
 A config holding anything vLLM 0.32's `llama_eagle3` cannot express makes the export refuse
 (`VllmExportError`), rather than write a drafter that would silently compute something else.
-`load_export` reads an export back into an `Eagle3Drafter` bit-exactly.
+`load_export` reads an export back into an `Eagle3Drafter` bit-exactly. final/ (training.json) and
+the export (eagle3lab.json) record the target's fingerprint (fingerprint.py); loading either with
+another target raises TargetMismatch.
 
 Never imports the trainer.
 """
@@ -32,18 +34,21 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from .files import atomic_dir, atomic_write_json
+from .fingerprint import check_same_target, target_fingerprint
 from .model import Eagle3Config, Eagle3Drafter
 from .target import load_target_tensors
 from .vocab import draft_to_target_ids
 
 LAYOUTS = ("speculators", "eagle3")
 WEIGHTS_FILE = "model.safetensors"
+TRAINING_FILE = "training.json"       # final/: the training summary, with the target's fingerprint
+EXPORT_SIDECAR = "eagle3lab.json"     # export/: the target's fingerprint (vLLM reads only config.json)
 # Rope types computed the same way by the drafter (transformers' init functions) and by vLLM's
 # get_rope. "dynamic" is rejected by the drafter; "proportional" means Gemma-4 rope in vLLM.
 VLLM_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -80,8 +85,17 @@ def load_drafter(final_dir: Union[str, os.PathLike], target_path: Union[str, os.
         raise FileNotFoundError(f"{final_dir}: expected config.json and {WEIGHTS_FILE} (a trained drafter "
                                 "from the training stage, e.g. outputs/<run>/train/final/)")
     config = read_drafter_config(final_dir)
+    check_same_target(recorded_target(final_dir / TRAINING_FILE), target_path, str(final_dir))
     state = load_file(str(w_path))
     return _build_drafter(Eagle3Drafter, config, state, target_path, source=str(w_path))
+
+
+def recorded_target(path: Path) -> Optional[dict]:
+    """The target fingerprint stored under "target" in a drafter's JSON sidecar (final/training.json,
+    export/eagle3lab.json); None where the file or the key is missing."""
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("target")
 
 
 def read_drafter_config(final_dir: Union[str, os.PathLike]):
@@ -282,6 +296,7 @@ def export_vllm(final_dir_or_model, out_dir: Union[str, os.PathLike], target_pat
     with atomic_dir(out_dir) as tmp:
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         atomic_write_json(tmp / "config.json", cfg)
+        atomic_write_json(tmp / EXPORT_SIDECAR, {"target": target_fingerprint(target_path)})
     return Path(out_dir)
 
 
@@ -292,6 +307,7 @@ def load_export(export_dir: Union[str, os.PathLike], target_path: Union[str, os.
     if not cfg_path.is_file() or not w_path.is_file():
         raise FileNotFoundError(f"{export_dir}: expected config.json and {WEIGHTS_FILE} (an export_vllm folder)")
     config = config_from_export(json.loads(cfg_path.read_text()))
+    check_same_target(recorded_target(export_dir / EXPORT_SIDECAR), target_path, str(export_dir))
     return _build_drafter(Eagle3Drafter, config, load_file(str(w_path)), target_path, source=str(w_path))
 
 

@@ -12,10 +12,16 @@ so no [T, V] logits are built (see HiddenStateCapture).
 
 The stage around the backend is the same for every backend: scan the processed split (lengths,
 content fingerprint), plan the shards (cache.plan_shards, fixed before any work), skip the shards
-that the manifest records and whose size and sha256 still match, compute and write the others
+that the manifest records, whose size still matches and that no verification found bad
+(cache.record_is_valid: the writer hashed them; re-reading them is cache.verify_cache's job, once
+per cache), compute and write the others
 (cache.CacheWriter), merge the manifest. A run killed at any moment and restarted gives the same
 bytes as an uninterrupted one. Under torchrun, rank r writes shards r, r+W, r+2W, ... and records
 them in its own `manifest.part-XXXXX.json`; rank 0 merges the parts after a barrier.
+
+03's fidelity check (`check_fidelity`, extract.fidelity) compares the cached final states with the
+target's own next tokens: a fresh transformers forward (hf), or the vLLM engine's prompt logprobs
+asked for in the extraction's own engine start (vllm: no transformers load, the big box's way).
 """
 from __future__ import annotations
 
@@ -30,6 +36,8 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 from datasets import Dataset, load_from_disk
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 from torch import nn
 from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
@@ -37,11 +45,13 @@ from .cache import (MANIFEST, CacheError, CacheHeader, CacheWriter, HiddenCache,
                     merge_manifests, plan_shards, read_manifest, read_records, record_is_valid, record_path,
                     shard_file_bytes, shard_temp)
 from .dist import Dist
+from .evaluate import checkpoint_weight_bytes, host_memory_bytes
 from .extract_vllm import open_vllm_backend
+from .files import atomic_write_bytes, check_run_links, update_metrics
 from .layout import RunLayout
 from .params import Params, ParamsError
 from .progress import tqdm
-from .target import load_target, target_path, text_config, torch_dtype
+from .target import load_target, load_target_tensors, target_path, text_config, torch_dtype
 
 
 # ---- the processed dataset --------------------------------------------------------------------
@@ -317,7 +327,8 @@ def _target_identity(P: Params, model) -> tuple:
     if model is not None:
         return Path(getattr(model, "name_or_path", "") or "<in-memory model>"), str(model.dtype).replace("torch.", "")
     path = target_path(P)
-    _check_causal_lm(path, P.target.trust_remote_code)
+    if P.extract.backend == "hf":      # vLLM checks the architecture against its own registry
+        _check_causal_lm(path, P.target.trust_remote_code)
     return path, P.target.dtype
 
 
@@ -353,6 +364,7 @@ def extract_hidden_states(P: Params, run, split: str = "train", model=None, prog
         raise NotImplementedError(f"extract.backend={P.extract.backend!r} is not implemented; use one of "
                                   f"{', '.join(BACKENDS)}")
     layout = run if isinstance(run, RunLayout) else RunLayout(run)
+    check_run_links(layout.root)   # no write or delete may go through a link out of the run
     out_dir = layout.hidden(split)
     ds = dataset if dataset is not None else load_split(layout, split)
     scan = scan_dataset(ds)
@@ -361,7 +373,8 @@ def extract_hidden_states(P: Params, run, split: str = "train", model=None, prog
                          "extract. Run the data stage (02_data) first or check data.num_train / data.num_eval.")
     plans = plan_shards(scan.lengths, P.extract.shard_tokens, P.extract.batch_tokens)
 
-    dist = Dist(backend="gloo")          # extraction only needs barriers
+    dist = Dist(backend="gloo", timeout_minutes=P.train.pg_timeout_minutes)   # only barriers; ranks wait
+                                                                               # there for the slowest
     try:
         path, target_dtype = _target_identity(P, model)
         ident = identity(P, split, scan.fingerprint, target_dtype)
@@ -374,6 +387,8 @@ def extract_hidden_states(P: Params, run, split: str = "train", model=None, prog
                 start = time.perf_counter()
                 _compute_shards(backend, todo, ds, header, done, len(plans), out_dir, dist, progress)
                 elapsed = time.perf_counter() - start     # forwards + writes, not the model load
+                if split == "eval" and dist.rank == 0 and fidelity_plan(P)[0] == "vllm" and hasattr(backend, "top2"):
+                    save_top2_reference(out_dir, backend, fidelity_rows(ds))     # same engine start
             finally:
                 backend.close()
         manifest = _merge(out_dir, header, done, plans, dist)
@@ -515,6 +530,146 @@ def fidelity_check(cache: HiddenCache, model, indices, decisive_margin: float = 
             "decisive_tokens": decisive,                    # None: no token was decisive (nothing to judge)
             "decisive_agreement": decisive_agree / decisive if decisive else None,
             "relative_error": {name: sum(v) / len(v) for name, v in err.items()}}
+
+
+# ---- 03's fidelity check, chosen by extract.fidelity ------------------------------------------
+# hf:   a fresh transformers forward of the target (fp32 when it fits; loads the whole target).
+# vllm: the cached final states through the target's lm_head (read by name from safetensors)
+#       against the vLLM engine's own top-2 next tokens (prompt logprobs) at every position,
+#       asked for in the extraction's engine start and kept beside the eval cache.
+# never / auto: see fidelity_plan. Either way the result or the skip lands in metrics.json.
+FIDELITY_SEQUENCES = 8                    # the first eval sequences checked
+FIDELITY_REFERENCE = "fidelity-reference.safetensors"   # in hidden/eval/: vLLM's top-2 of those
+DECISIVE_MARGIN = 0.5                     # logits (top-1 minus top-2) that make a token decisive
+MIN_ARGMAX_AGREEMENT = 0.95               # near-ties flip between bf16 and fp32
+MIN_DECISIVE_AGREEMENT = 0.99             # clear decisions must not
+
+
+def fidelity_plan(P: Params) -> tuple:
+    """(mode, None) with mode "hf" | "vllm", or (None, why the check is skipped).
+    auto: hf when the target's safetensors fit this machine's memory, else vllm when the
+    extraction runs in vLLM, else skipped."""
+    mode = P.extract.fidelity
+    if mode == "never":
+        return None, "extract.fidelity is 'never' (the profile turns 03's fidelity check off; see its comment)"
+    if mode in ("hf", "vllm"):
+        return mode, None
+    weights, memory = checkpoint_weight_bytes(target_path(P)), host_memory_bytes()
+    if weights is None or memory is None or weights <= memory:
+        return "hf", None
+    if P.extract.backend == "vllm":
+        return "vllm", None
+    return None, (f"the target's weights ({weights / 1e9:,.1f} GB of safetensors) exceed this machine's memory "
+                  f"({memory / 1e9:,.1f} GB): the hf check loads the whole target in transformers. Set "
+                  "extract.backend: vllm (its check needs no transformers load) or extract.fidelity: hf")
+
+
+def fidelity_rows(ds: Dataset) -> list:
+    """Token rows of the first FIDELITY_SEQUENCES non-empty sequences in dataset order: the cache's
+    items 0, 1, ... (HiddenCache orders by dataset row and skips empty rows)."""
+    rows = []
+    for i in range(len(ds)):
+        ids = ds[i]["input_ids"]
+        if ids:
+            rows.append(list(ids))
+        if len(rows) == FIDELITY_SEQUENCES:
+            break
+    return rows
+
+
+def save_top2_reference(out_dir: Path, backend, rows: list) -> None:
+    """The engine's top-2 next tokens for `rows`, beside the cache (atomic; rows included)."""
+    tensors = {}
+    for i, (row, (ids, logprobs)) in enumerate(zip(rows, backend.top2(rows))):
+        tensors.update({f"input_ids.{i}": torch.tensor(row, dtype=torch.long),       # [T]
+                        f"top2_ids.{i}": ids, f"top2_logprobs.{i}": logprobs})     # [T, 2]
+    atomic_write_bytes(Path(out_dir) / FIDELITY_REFERENCE, save_safetensors(tensors))
+
+
+def load_top2_reference(P: Params, cache: HiddenCache) -> list:
+    """[(top2 ids [T, 2], top2 logprobs [T, 2])] for cache items 0.. of the eval cache: the file the
+    extraction saved, or (cache extracted earlier without it, or from other tokens) a vLLM engine
+    started here for it."""
+    rows = [cache.get(i)["input_ids"].tolist() for i in range(min(FIDELITY_SEQUENCES, len(cache)))]
+    path = cache.path / FIDELITY_REFERENCE
+    if path.is_file():
+        saved = load_safetensors(path.read_bytes())
+        if [saved.get(f"input_ids.{i}", torch.empty(0)).tolist() for i in range(len(rows))] == rows:
+            return [(saved[f"top2_ids.{i}"], saved[f"top2_logprobs.{i}"]) for i in range(len(rows))]
+    dist = Dist(backend="gloo")
+    backend = open_vllm_backend(P, target_path(P), dist)
+    try:
+        save_top2_reference(cache.path, backend, rows)
+    finally:
+        backend.close()
+        dist.close()
+    return load_top2_reference(P, cache)
+
+
+def top2_fidelity(cache: HiddenCache, lm_head: torch.Tensor, reference: list,
+                  decisive_margin: float = DECISIVE_MARGIN, chunk: int = 256) -> dict:
+    """The cached final states through `lm_head` [V, H] against the engine's top-2 per position:
+    argmax agreement overall and on decisive tokens (engine top-1 leads top-2 by > decisive_margin
+    logits: a logprob difference is a logit difference), and the mean |log p| difference of the
+    engine's top-1 token (cached head in fp32 vs the engine's own logprob)."""
+    head = lm_head.float()
+    agree = total = decisive = decisive_agree = 0
+    logprob_error = 0.0
+    for i, (ids, logprobs) in enumerate(reference):
+        final = cache.get(i)["final"]                                              # [T, H]
+        for s in range(0, len(final), chunk):
+            logp = (final[s:s + chunk].float() @ head.T).log_softmax(-1)           # [t, V]
+            top1, lp = ids[s:s + chunk, 0], logprobs[s:s + chunk]                  # [t], [t, 2]
+            same = logp.argmax(-1) == top1                                         # [t]
+            clear = (lp[:, 0] - lp[:, 1]) > decisive_margin                        # [t]
+            agree += int(same.sum())
+            total += len(same)
+            decisive += int(clear.sum())
+            decisive_agree += int((same & clear).sum())
+            logprob_error += float((logp.gather(1, top1[:, None])[:, 0] - lp[:, 0]).abs().sum())
+    return {"tokens": total, "argmax_agreement": agree / max(total, 1), "decisive_tokens": decisive,
+            "decisive_agreement": decisive_agree / decisive if decisive else None,
+            "top1_logprob_abs_error": logprob_error / max(total, 1)}
+
+
+def check_fidelity(P: Params, run, cache: HiddenCache) -> dict:
+    """03's fidelity check of the eval `cache` as extract.fidelity chooses (fidelity_plan); the
+    result, or the skip and its reason, is merged into metrics.json's "extract" section and
+    returned. Raises CacheError when the cached states do not give the target's own choices."""
+    layout = run if isinstance(run, RunLayout) else RunLayout(run)
+    mode, skip = fidelity_plan(P)
+    metrics = {"fidelity": mode or "skipped", "fidelity_skip_reason": skip}
+    if mode == "hf":
+        model, dtype = load_reference(P)
+        result = fidelity_check(cache, model, range(min(FIDELITY_SEQUENCES, len(cache))), DECISIVE_MARGIN)
+        del model
+        metrics.update(fidelity_reference=f"a fresh transformers {dtype} forward",
+                       final_relative_error=round(result["relative_error"]["final (normed)"], 5))
+    elif mode == "vllm":
+        lm_head = load_target_tensors(target_path(P), ("lm_head",))["lm_head"]       # [V, H]
+        result = top2_fidelity(cache, lm_head, load_top2_reference(P, cache))
+        metrics.update(fidelity_reference=f"the vLLM engine's prompt logprobs ({P.target.dtype})",
+                       top1_logprob_abs_error=round(result["top1_logprob_abs_error"], 5))
+    if mode is not None:
+        metrics.update(checked_tokens=result["tokens"], decisive_tokens=result["decisive_tokens"],
+                       argmax_agreement=round(result["argmax_agreement"], 4),
+                       decisive_argmax_agreement=None if result["decisive_agreement"] is None
+                       else round(result["decisive_agreement"], 4))
+    update_metrics(layout.root, "extract", metrics)
+    if mode is not None:
+        _require_fidelity(result, metrics)
+    return metrics
+
+
+def _require_fidelity(result: dict, metrics: dict) -> None:
+    if not result["decisive_tokens"]:
+        raise CacheError(f"fidelity: none of the {result['tokens']} checked tokens is decisive (top-1 leads by "
+                         f"> {DECISIVE_MARGIN} logits): nothing to judge; check a less random target")
+    if result["argmax_agreement"] < MIN_ARGMAX_AGREEMENT or result["decisive_agreement"] < MIN_DECISIVE_AGREEMENT:
+        raise CacheError(f"fidelity: the cached final states do not give the target's own next tokens "
+                         f"(argmax agreement {result['argmax_agreement']:.2%} < {MIN_ARGMAX_AGREEMENT:.0%} or "
+                         f"decisive {result['decisive_agreement']:.2%} < {MIN_DECISIVE_AGREEMENT:.0%}; "
+                         f"{metrics}): the cache does not match the target; delete hidden/ and rerun 03")
 
 
 def load_reference(P: Params, max_fp32_bytes: float = 8e9):

@@ -12,6 +12,11 @@ safetensors, eps from config.json) to get the cache's "final" state.
     VLLMBackend.states(rows) --JSON line-->   LLM.generate(rows as token ids, max_tokens=1)
                              <--JSON line--   paths of the per-request files (after their locks)
     load + check + final norm -> aux [n, 3, H], final [n, H]; the files are deleted
+    VLLMBackend.top2(rows)   --JSON line-->   the same, with prompt_logprobs=2 and logprobs=2
+                             <--JSON line--   the engine's top-2 token ids and logprobs per position
+
+`top2` is the reference of 03's fidelity check on a target transformers cannot load (the big box):
+the same engine start, the target's own next-token choices at every position of a few sequences.
 
 The stage around it (extract.py) is the same as for the HF backend: plan, resume, CacheWriter,
 manifest; so the cache cannot tell which backend wrote it. The subprocess keeps vLLM's engine,
@@ -36,7 +41,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from .cache import CacheError
-from .engine import engine_kwargs
+from .engine import engine_env, engine_kwargs
 from .params import Params, ParamsError
 from .target import _weight_map, text_config
 from .vllm_bench import subprocess_env
@@ -121,6 +126,7 @@ class VLLMBackend:
         self.norm = FinalNorm(weight, cfg["rms_norm_eps"])
         self.path, self.staging, self.log_path = Path(path), Path(staging), Path(log_path)
         engine = engine_kwargs(P, "extract", path, max_model_len=P.data.max_length + 1)
+        self.env = engine_env(P, "extract")                 # model runner choice (extract.model_runner)
         self.proc, self._reply = self._start(engine)
 
     def _start(self, engine: dict):
@@ -129,6 +135,7 @@ class VLLMBackend:
         spec = {"engine": engine, "layer_ids": self.aux_layers + [self.num_layers], "storage": str(self.staging)}
         read_fd, write_fd = os.pipe()
         env = subprocess_env()
+        env.update(self.env)
         root = str(Path(__file__).resolve().parents[1])    # the connector is imported by module path
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
         with open(self.log_path, "ab") as log:
@@ -178,6 +185,19 @@ class VLLMBackend:
         if len(paths) != len(rows):
             raise CacheError(f"{STAGE}: vLLM answered {len(paths)} of {len(rows)} requests; rerun")
         return torch.cat(aux), torch.cat(final)                      # [n, 3, H], [n, H]
+
+    def top2(self, rows: list) -> list:
+        """The engine's own next-token top-2 at every position of each row: per row (ids long
+        [T, 2], logprobs float [T, 2]); position t is the distribution after tokens 0..t (the
+        prompt logprobs of t + 1, and the generated token's logprobs for the last position)."""
+        self.proc.stdin.write((json.dumps({"top2": rows}) + "\n").encode())
+        self.proc.stdin.flush()
+        answer = self._read_reply(f"computing prompt logprobs of {len(rows)} rows")["top2"]
+        if len(answer) != len(rows) or any(len(a["ids"]) != len(r) for a, r in zip(answer, rows)):
+            raise CacheError(f"{STAGE}: vLLM returned prompt logprobs for {[len(a['ids']) for a in answer]} "
+                             f"positions, expected {[len(r) for r in rows]}; rerun")
+        return [(torch.tensor(a["ids"], dtype=torch.long), torch.tensor(a["logprobs"], dtype=torch.float32))
+                for a in answer]
 
     def close(self) -> None:
         proc = getattr(self, "proc", None)
@@ -306,11 +326,43 @@ def _make_llm(spec: dict):
                                    "kv_connector_extra_config": {"shared_storage_path": spec["storage"]}})
 
 
+def _top2_of(position: dict) -> tuple:
+    """([id of rank 1, id of rank 2], [their logprobs]) of one position's logprob dict (vLLM adds
+    the prompt's own token with its rank, so the dict may hold a third entry)."""
+    by_rank = {lp.rank: (tok, lp.logprob) for tok, lp in position.items()}
+    (id1, lp1), (id2, lp2) = by_rank[1], by_rank[2]
+    return [id1, id2], [lp1, lp2]
+
+
+def _top2(llm, rows: list) -> list:
+    """The target's top-2 next tokens at every position of each row, from the same engine."""
+    from vllm import SamplingParams   # lazy: vLLM is imported in this child process only
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2, prompt_logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": r} for r in rows], params, use_tqdm=False)
+    answer = []
+    for out in outs:
+        path = (out.kv_transfer_params or {}).get("hidden_states_path")
+        if path is not None:                   # the connector saved this request's states too
+            _wait_for_file(path)
+            os.remove(path)
+        # prompt_logprobs[t] is P(token t | tokens < t) (None for t = 0); the sampled token's
+        # logprobs are the distribution after the last prompt token.
+        positions = list(out.prompt_logprobs[1:]) + [out.outputs[0].logprobs[0]]
+        ids, logprobs = zip(*map(_top2_of, positions))
+        answer.append({"ids": list(ids), "logprobs": list(logprobs)})
+    return answer
+
+
 def _serve(llm, reply) -> None:
     from vllm import SamplingParams   # lazy: vLLM is imported in this child process only
     params = SamplingParams(max_tokens=1, temperature=0.0)
     for line in sys.stdin:
-        rows = json.loads(line)["rows"]
+        request = json.loads(line)
+        if "top2" in request:
+            reply.write(json.dumps({"top2": _top2(llm, request["top2"])}) + "\n")
+            reply.flush()
+            continue
+        rows = request["rows"]
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": r} for r in rows], params, use_tqdm=False)
         paths = []

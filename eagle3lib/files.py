@@ -75,20 +75,73 @@ def read_json(path: str | os.PathLike) -> Any:
     return json.loads(Path(path).read_text())
 
 
+class MetricsError(ValueError):
+    """metrics.json is not a JSON object of sections; the message names the file and the fix."""
+
+
+def read_metrics(path: str | os.PathLike) -> dict:
+    """The run's metrics.json as {section: {...}}; {} when there is none. A truncated, non-JSON or
+    non-object file raises MetricsError naming it (every reader of metrics.json goes through here)."""
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    fix = f"move it aside (mv {path} {path}.bad) and rerun the stages whose sections you need"
+    try:
+        metrics = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:     # JSONDecodeError is a ValueError
+        raise MetricsError(f"{path} is not valid JSON ({e}): {fix}") from None
+    if not isinstance(metrics, dict) or not all(isinstance(v, dict) for v in metrics.values()):
+        raise MetricsError(f"{path} must hold a JSON object of sections ({{\"data\": {{...}}, ...}}), "
+                           f"got {type(metrics).__name__}: {fix}")
+    return metrics
+
+
 def update_metrics(run_dir: str | os.PathLike, section: str, values: dict) -> dict:
     """Merge `values` into outputs/<run>/metrics.json under `section` (atomic); returns the file's content."""
     path = RunLayout(run_dir).metrics
-    metrics = read_json(path) if path.is_file() else {}
+    metrics = read_metrics(path)
     metrics.setdefault(section, {}).update(values)
     atomic_write_json(path, metrics)
     return metrics
 
 
+# ---- links inside a run folder -----------------------------------------------------------------
+class UnsafeLink(ValueError):
+    """A symlink inside a run folder points outside it: a stage would write or delete there."""
+
+
+def check_run_links(run_dir: str | os.PathLike) -> None:
+    """Refuse a run folder holding a symlink (at any depth) whose target lies outside the folder.
+
+    Stages write and delete below the run folder (data/, hidden/, train/, ...); a link there would
+    carry those writes and deletes elsewhere. Links that stay inside the folder (06_scaling's
+    points link data/ and hidden/ to the run's own) are fine. Links are not followed while walking."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        return
+    real_root = root.resolve()
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            entry = Path(folder) / name
+            if entry.is_symlink() and real_root not in entry.resolve().parents:
+                raise UnsafeLink(f"{entry} is a link to {os.readlink(entry)} (resolves to {entry.resolve()}), "
+                                 f"outside the run folder {root}: stages would write or delete there. "
+                                 f"Remove the link (rm {entry}) or make it a real folder, then rerun")
+
+
 # ---- guarded delete --------------------------------------------------------------------------
-def is_strictly_inside(path: str | os.PathLike, root: str | os.PathLike) -> bool:
-    """Whether `path` lies below `root` (symlinks and '..' resolved) and is not `root` itself."""
-    path, root = Path(path).resolve(), Path(root).resolve()
-    return root in path.parents
+def is_strictly_inside(path: str | os.PathLike, root: str | os.PathLike, follow_links: bool = True) -> bool:
+    """Whether `path` lies below `root` (symlinks and '..' resolved) and is not `root` itself.
+    follow_links=False: also spelled below `root` (no '..'), with no symlink on the way from `root`
+    down to `path`, `root` and `path` included (so a link cannot carry the allowed root along)."""
+    if follow_links:
+        return Path(root).resolve() in Path(path).resolve().parents
+    path, root = Path(os.path.abspath(path)), Path(os.path.abspath(root))
+    if root not in path.parents or ".." in path.relative_to(root).parts:
+        return False
+    on_the_way = [root, *(root / Path(*path.relative_to(root).parts[:i + 1])
+                          for i in range(len(path.relative_to(root).parts)))]
+    return not any(p.is_symlink() for p in on_the_way)
 
 
 def remove_tree(path: str | os.PathLike, under: str | os.PathLike, ignore_errors: bool = False) -> None:
@@ -97,6 +150,9 @@ def remove_tree(path: str | os.PathLike, under: str | os.PathLike, ignore_errors
     not an error."""
     if not is_strictly_inside(path, under):
         raise ValueError(f"refusing to delete {path}: it is not inside {under} "
+                         f"(resolves to {Path(path).resolve()}); nothing was deleted")
+    if not is_strictly_inside(path, under, follow_links=False):
+        raise ValueError(f"refusing to delete {path}: the way from {under} to it goes through a link "
                          f"(resolves to {Path(path).resolve()}); nothing was deleted")
     if Path(path).exists() or Path(path).is_symlink():
         shutil.rmtree(path, ignore_errors=ignore_errors)
@@ -184,10 +240,12 @@ def run_lock(folder: str | os.PathLike, log: Callable[[str], Any] = print) -> It
     wait). A lock left by a dead process (same host, pid gone or reused) is taken over and the
     takeover is logged. The lock is removed on exit, on exceptions too. Processes started inside
     the block inherit the token (env EAGLE3_RUN_LOCK) and enter without taking it again, so
-    `eagle3 run` can hold the lock while its notebooks start `python -m eagle3lib.train`.
+    `eagle3 run` can hold the lock while its notebooks start `python -m eagle3lib.train`. A folder
+    holding a link out of it is refused first (check_run_links).
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    check_run_links(folder)
     path = folder / LOCK_NAME
     inherited = os.environ.get(LOCK_TOKEN_ENV)
     if inherited and _read_lock(path).get("token") == inherited:

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from .vocab import draft_to_target_ids
@@ -304,28 +304,76 @@ def _merge_diagonal(o_c, lse_c, q, kd_s, vd_s, scale: float):
     return w_c * o_c + (w_d.unsqueeze(-1) * vd_s).sum(3)
 
 
-_compiled_flex = None
+# flex_attention of the "flex" formulation. Training batches vary in B and T (batches.bucket_batches),
+# so flex is compiled once per process with dynamic shapes: B and T are symbols from the first call,
+# and the only recompilations left are those the guards ask for (B = 1, a single 128-block, grad
+# mode, inductor's short-query kernel choice). Its own recompile limit (isolate_recompiles: no other
+# compilation of flex_attention counts against it) with fullgraph=True turns a runaway into an error
+# (FailOnRecompileLimitHit) instead of a silent fall-back to eager flex, which materialises the
+# T x T scores. Backend per device type: inductor's fused kernel on GPUs; on CPU inductor's flex
+# cannot return the log-sum-exp, so the "eager" backend (the same tracing and guards, PyTorch's
+# materialising reference math, no backward).
+FLEX_BLOCK = 128                      # flex_attention's default sparse block (query and key)
+FLEX_RECOMPILE_LIMIT = 16
+FLEX_BACKENDS = {"cpu": "eager"}      # device type -> torch.compile backend; any other: "inductor"
+_compiled_flex: dict = {}             # backend -> the compiled flex_attention
+
+
+def compiled_flex(device):
+    """flex_attention compiled for `device`'s type (see FLEX_BACKENDS), once per process and backend."""
+    backend = FLEX_BACKENDS.get(torch.device(device).type, "inductor")
+    if backend not in _compiled_flex:
+        _compiled_flex[backend] = torch.compile(flex_attention, backend=backend, dynamic=True, fullgraph=True,
+                                                recompile_limit=FLEX_RECOMPILE_LIMIT, isolate_recompiles=True)
+    return _compiled_flex[backend]
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def causal_block_mask(T, device, block: int = FLEX_BLOCK) -> BlockMask:
+    """The causal BlockMask of T queries over T keys, built from its block structure; the same
+    blocks as create_block_mask(_causal, None, None, T, T): query block i sees key blocks 0..i-1
+    whole ("full": no mask_mod) and block i through the mask_mod; a last query block with fewer than
+    `block` rows sees all its key blocks through the mask_mod. Costs O((T / block)^2) integers, never
+    the [T, T] boolean mask create_block_mask evaluates, and has no Python branch on T, so a compiled
+    TTT forward (train.compile) traces it with a symbolic T instead of specialising on it."""
+    n = (T + block - 1) // block                                                 # blocks per axis
+    i = torch.arange(n, device=device, dtype=torch.int32)                        # [n]
+    whole = (i + 1) * block <= T                                                 # [n]: query block i has `block` rows
+    full_num = torch.where(whole, i, 0)                                          # [n]
+    partial_num = torch.where(whole, 1, i + 1)                                   # [n]
+    diagonal_first = (i[None, :] + i[:, None]) % n                               # [n, n]: row i starts with block i
+    partial = torch.where(whole[:, None], diagonal_first, i[None, :])            # [n, n]
+    full = i[None, :].expand(n, n)                                               # [n, n]: row i uses 0..i-1
+    return BlockMask.from_kv_blocks(partial_num[None, None], partial[None, None].contiguous(),
+                                    full_num[None, None], full[None, None].contiguous(), BLOCK_SIZE=block,
+                                    mask_mod=_causal, seq_lengths=(T, T))
 
 
 def _flex_causal(q, k0, v0, mask_cache: Optional[dict]):
     """Causal attention of q over k0/v0 [B, h, T, d] with flex_attention -> (o_c [B, h, T, d],
-    lse_c [B, h, T, 1] fp32). On CUDA the compiled kernel (no T x T scores); on CPU the eager call,
-    which is PyTorch's reference and does materialise the scores (and has no backward on CPU)."""
-    global _compiled_flex
+    lse_c [B, h, T, 1] fp32). Outside torch.compile: compiled_flex with the block mask cached per
+    (T, device); inside a compiled TTT forward flex is traced into the caller's graph and the mask
+    is built there (a cache lookup keyed by T would specialise that graph on T)."""
     T = q.shape[2]
+    if torch.compiler.is_compiling():
+        o_c, aux = flex_attention(q, k0, v0, block_mask=causal_block_mask(T, q.device),
+                                  return_aux=AuxRequest(lse=True))
+        return o_c, aux.lse.unsqueeze(-1).float()
     key = ("flex", T, q.device)
     block_mask = None if mask_cache is None else mask_cache.get(key)
     if block_mask is None:
-        block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, None, None, T, T,
-                                       device=q.device)
+        block_mask = causal_block_mask(T, q.device)
         if mask_cache is not None:
+            if len(mask_cache) > 64:          # many distinct lengths: keep the cache bounded
+                mask_cache.clear()
             mask_cache[key] = block_mask
-    attend = flex_attention
-    if q.device.type != "cpu" and not torch.compiler.is_compiling():   # inside torch.compile: traced anyway
-        if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention)
-        attend = _compiled_flex
-    o_c, aux = attend(q, k0, v0, block_mask=block_mask, return_aux=AuxRequest(lse=True))
+    if q.device.type == "cpu" and torch.is_grad_enabled() and (q.requires_grad or k0.requires_grad):
+        raise NotImplementedError("flex attention has no backward on CPU (PyTorch's FlexAttention): train with "
+                                  "train.attention auto, manual or chunked on CPU, flex on GPUs")
+    o_c, aux = compiled_flex(q.device)(q, k0, v0, block_mask=block_mask, return_aux=AuxRequest(lse=True))
     return o_c, aux.lse.unsqueeze(-1).float()
 
 
@@ -347,9 +395,10 @@ def ttt_attention(q, k0, v0, kd, vd, impl: str = "manual", mask_cache: Optional[
       chunked  manual over query blocks of `block` rows, each under activation checkpointing:
                saves no scores; peak [B, h, block, T] per block; costs a recompute of the block's
                scores in backward (about +1 attention forward) and skips key blocks above the diagonal.
-      flex     flex_attention (compiled on CUDA) for the causal part with its log-sum-exp, merged
-               with the diagonal terms: saves only o_c and lse_c [B, h, T] (flash-style kernel, no
-               T x T anywhere on CUDA); on CPU it runs PyTorch's materialising reference, no backward.
+      flex     flex_attention (compiled_flex: dynamic shapes, one graph for every (B, T) but a few)
+               for the causal part with its log-sum-exp, merged with the diagonal terms: saves only
+               o_c and lse_c [B, h, T] (flash-style kernel, no T x T anywhere on CUDA); on CPU it
+               runs PyTorch's materialising reference, no backward.
     """
     B, h, T, d = q.shape
     scale = 1.0 / math.sqrt(d)

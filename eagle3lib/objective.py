@@ -20,6 +20,7 @@ N label positions in a batch.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -405,10 +406,14 @@ def add_feature_noise(prepared: dict, std: float, scale: Optional[torch.Tensor],
 
 # ==== held-out evaluation ======================================================================
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list, ttt_steps: int, amp, max_answer_tokens: Optional[int] = None) -> dict:
+def evaluate(model: nn.Module, batches: list, ttt_steps: int, amp, max_answer_tokens: Optional[int] = None,
+             reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> dict:
     """Per-step soft-CE loss, top-1 accuracy and the acceptance estimate on prepared batches, and
     `acceptance_replayed`: chain decoding with k = ttt_steps replayed on each sequence's first
-    answer (replay_chain), which counts acceptance where decoding measures it."""
+    answer (replay_chain), which counts acceptance where decoding measures it.
+    reduce: sums a CPU tensor over torchrun ranks, when each rank holds a share of the held-out
+    set (heldout_batches with rank / world); batches marked "filler" run the model (every rank
+    runs as many forwards) and are not counted."""
     was_training = model.training
     model.eval()
     stats = torch.zeros(ttt_steps, 3, dtype=torch.float64)
@@ -416,6 +421,8 @@ def evaluate(model: nn.Module, batches: list, ttt_steps: int, amp, max_answer_to
     for batch in batches:
         with amp():
             _, s, correct = model(batch, torch.ones(ttt_steps, dtype=torch.float64), flags=True)
+        if batch.get("filler"):
+            continue
         stats += s.cpu()
         b, u, correct = batch["tgt_b"].cpu(), batch["tgt_u"].cpu(), correct.cpu()
         for row in b.unique().tolist():
@@ -423,6 +430,9 @@ def evaluate(model: nn.Module, batches: list, ttt_steps: int, amp, max_answer_to
             r, a = replay_chain(u[sel], correct[sel], ttt_steps, max_answer_tokens)
             rounds, accepted = rounds + r, accepted + a
     model.train(was_training)
+    if reduce is not None:
+        stats = reduce(stats)
+        rounds, accepted = (int(x) for x in reduce(torch.tensor([rounds, accepted], dtype=torch.int64)))
     n = stats[:, 2].clamp(min=1)
     acc = (stats[:, 1] / n).tolist()
     return {"loss": (stats[:, 0] / n).tolist(), "acc": acc, "acceptance_estimate": acceptance_estimate(acc),
@@ -432,32 +442,47 @@ def evaluate(model: nn.Module, batches: list, ttt_steps: int, amp, max_answer_to
 
 class HeldOutBatches:
     """Prepared held-out batches kept on the CPU; iterating moves one batch at a time to `device`
-    (at Kimi shapes the whole set in fp32 is ~100 GB: it must not sit on every GPU)."""
+    (at Kimi shapes the whole set in fp32 is ~100 GB: it must not sit on every GPU). Under torchrun
+    each rank holds its share and also yields `filler` batches (marked "filler": not counted) so
+    that every rank runs `forwards` forwards: DDP and FSDP forwards are collectives."""
 
-    def __init__(self, batches: list, device):
-        self.batches, self.device = batches, torch.device(device)
+    def __init__(self, batches: list, device, forwards: Optional[int] = None, filler: Optional[dict] = None):
+        self.batches, self.device, self.filler = batches, torch.device(device), filler
+        self.forwards = len(batches) if forwards is None else forwards
 
     def __len__(self) -> int:
-        return len(self.batches)
+        return self.forwards
 
     def __iter__(self):
-        for batch in self.batches:
+        missing = self.forwards - len(self.batches)
+        fillers = [{**self.filler, "filler": True}] * missing if missing > 0 else []
+        for batch in self.batches + fillers:
             yield {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def heldout_batches(eval_cache, sequences: int, head: TargetHead, ttt_steps: int, batch_tokens: int, device,
-                    scale: Optional[torch.Tensor] = None) -> HeldOutBatches:
+                    scale: Optional[torch.Tensor] = None, rank: int = 0, world: int = 1) -> HeldOutBatches:
     """The first `sequences` held-out cache items (of >= 3 tokens) as prepared batches with exact
     full-vocabulary top-1 labels, in a fixed order; held on the CPU, moved to `device` one at a time
-    (labels are computed with the head on its device, then brought back)."""
+    (labels are computed with the head on its device, then brought back).
+    rank / world: this rank prepares only batches rank, rank + world, ... (1/world of the set); a
+    rank with fewer than the most also gets a filler (one of its batches, or batch 0 when it has
+    none) so that all ranks run the same number of forwards. evaluate(..., reduce=sum over ranks)
+    then gives the numbers of one process holding every batch."""
     idx = [i for i in range(min(sequences, len(eval_cache))) if eval_cache.lengths[i] >= 3]
-    cpu = torch.device("cpu")
-    batches = []
-    for chunk in bucket_batches([eval_cache.lengths[i] for i in idx], batch_tokens, 0, 0):
+    chunks = bucket_batches([eval_cache.lengths[i] for i in idx], batch_tokens, 0, 0)
+
+    def prepare(chunk) -> dict:
         items = [eval_cache.get(idx[k]) for k in sorted(chunk)]
         prepared = prepare_batch(collate(items, batch_tokens), head, ttt_steps, device, scale)
-        batches.append({k: v.to(cpu) if torch.is_tensor(v) else v for k, v in prepared.items()})
-    return HeldOutBatches(batches, device)
+        return {k: v.to("cpu") if torch.is_tensor(v) else v for k, v in prepared.items()}
+
+    batches = [prepare(chunk) for chunk in chunks[rank::world]]
+    forwards = math.ceil(len(chunks) / world)
+    filler = None
+    if len(batches) < forwards:
+        filler = batches[0] if batches else prepare(chunks[0])
+    return HeldOutBatches(batches, device, forwards, filler)
 
 
 # ==== one run's scoring: what train() and the bench scripts share ============================
@@ -480,11 +505,12 @@ class Scoring:
     amp: Callable
     scale: Optional[torch.Tensor]
 
-    def heldout(self, cache, sequences: int, batch_tokens: int, device) -> HeldOutBatches:
+    def heldout(self, cache, sequences: int, batch_tokens: int, device, rank: int = 0,
+                world: int = 1) -> HeldOutBatches:
         """The first `sequences` items of a cache as prepared batches (exact labels) on the CPU,
-        moved to `device` one at a time; see heldout_batches."""
+        moved to `device` one at a time; rank / world: this rank's share; see heldout_batches."""
         return heldout_batches(cache, sequences, self.head, self.objective.ttt_steps, batch_tokens, device,
-                               self.scale)
+                               self.scale, rank, world)
 
 
 def build_scoring(P: Params, layout: RunLayout, drafter: Eagle3Drafter, device, ttt_steps: Optional[int] = None,

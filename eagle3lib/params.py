@@ -91,6 +91,11 @@ class DataParams:
     regen_num_train: Optional[int] = None  # regenerate only the first N training chats (None: all);
                                          # the rest keep the dataset's answers: off-policy text, but
                                          # its soft labels are still the target's (extraction-only cost)
+    # Reasoning targets (chat_template.py): auto (the chat template's default) | on (thinking: the
+    # target reasons, then answers) | off (instant mode). Used by regeneration, the data stage's
+    # template and the eval prompts alike; on/off pass the template variables thinking and
+    # enable_thinking. Thinking needs regen_max_new_tokens and max_length >= THINKING_MIN_NEW_TOKENS.
+    thinking: str = "auto"
 
 
 @dataclass
@@ -104,6 +109,17 @@ class ExtractParams:
     nproc: int = 1                       # processes under torchrun (data parallel)
     vllm_max_num_batched_tokens: Optional[int] = None  # backend vllm: tokens per engine step
                                          # (None: target.max_num_batched_tokens)
+    # 03's check that the cached final states give the target's own next tokens (extract.fidelity_plan):
+    # hf (a fresh transformers forward: loads the whole target) | vllm (the vLLM engine's prompt
+    # logprobs, asked for in the extraction's engine start; no transformers load) | never |
+    # auto (hf when the checkpoint fits this machine's memory, else vllm with backend vllm, else
+    # skipped). A skip is recorded with its reason in metrics.json.
+    fidelity: str = "auto"
+    # vLLM model runner of the extraction engine (backend vllm; engine.engine_env sets vLLM's
+    # VLLM_USE_V2_MODEL_RUNNER): v1 (the runner whose extract_hidden_states code the CPU runner
+    # shares, so what the CPU tests ran) | v2 (vLLM 0.32's default on CUDA with Triton; has its own
+    # extract_hidden_states speculator and connector hooks, never run here) | auto (vLLM decides).
+    model_runner: str = "v1"
 
 
 @dataclass
@@ -113,6 +129,10 @@ class TrainParams:
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
+    # Warmup as a share of the run's planned optimizer steps (train.schedule: max_steps, else epochs
+    # of the cache); when set it replaces warmup_steps, so the warmup follows the run's size (each
+    # 06_scaling point too). Warmup may be at most MAX_WARMUP_FRACTION of the planned steps.
+    warmup_fraction: Optional[float] = None
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     epochs: float = 1.0
@@ -127,6 +147,11 @@ class TrainParams:
     dtype: str = "float32"               # float32 | bfloat16 (autocast) | auto (see auto_dtype)
     optimizer: str = "adamw"             # adamw | muon
     checkpoint_every: int = 200
+    # Checkpoint (and held-out eval) cadence that follows the run: every checkpoint_fraction of the
+    # planned steps (replaces checkpoint_every when set; 0.1: ten per run), and also whenever
+    # checkpoint_minutes of training passed since the last one (bounds what a crash loses). None: off.
+    checkpoint_fraction: Optional[float] = None
+    checkpoint_minutes: Optional[float] = None
     resume: bool = True
     eval_sequences: int = 32             # held-out cached sequences for per-step accuracy
     # Design choices the public trainers differ on (see NOTES.md).
@@ -171,6 +196,15 @@ class TrainParams:
     tracking: str = "none"               # none | tensorboard
     distributed: str = "none"            # none | ddp | fsdp
     nproc: int = 1
+    # How long a torchrun rank waits in a collective (a barrier, a reduction) for the others before
+    # the job is stopped; training's and extraction's process groups (torch's default: 10 min NCCL).
+    pg_timeout_minutes: float = 60.0
+    # Verification of the hidden-state caches before training (cache.verify_cache, once per cache:
+    # hidden/<split>/verified.json): sizes, manifest and tensor shapes always, then the sha256 of
+    # every shard (full), of a seeded verify_sample share of them (sampled) or of none (sizes);
+    # under torchrun the ranks split the hashing.
+    verify_cache: str = "full"
+    verify_sample: float = 0.05
     # DataLoader worker processes that read and pad the micro-batches ahead of the step (0: in the
     # training process). On the 2-core CPU box workers compete with the step for the cores.
     num_workers: int = 0
@@ -316,7 +350,10 @@ CHOICES = {
     "extract.dtype": {"bfloat16", "float16", "float32"},
     "extract.backend": {"hf", "vllm"},
     "extract.device": {"auto", "cpu", "cuda"},
+    "extract.fidelity": {"auto", "hf", "vllm", "never"},
+    "extract.model_runner": {"auto", "v1", "v2"},
     "data.regen_backend": {"auto", "vllm", "hf"},
+    "data.thinking": {"auto", "on", "off"},                                  # chat_template.THINKING_CHOICES
     "train.dtype": {"float32", "bfloat16", "auto"},
     "train.optimizer": {"adamw", "muon"},
     "train.next_step_hidden": {"pre_norm", "post_norm"},
@@ -325,6 +362,7 @@ CHOICES = {
     "train.loss": {"kl", "lk", "lk_hybrid"},                                  # objective.LOSS_CHOICES
     "train.tracking": {"none", "tensorboard"},
     "train.distributed": {"none", "ddp", "fsdp"},
+    "train.verify_cache": {"full", "sampled", "sizes"},                       # cache.VERIFY_MODES
     "train.attention": {"auto", "manual", "merge", "mask", "chunked", "flex"},   # model.ATTENTION_CHOICES
     "eval.vllm_dtype": {"bfloat16", "float16", "float32"},
     "eval.reference_decoder": {"auto", "always", "never"},
@@ -334,13 +372,38 @@ CHOICES = {
 
 # ---- loading -------------------------------------------------------------------------------
 class _ProfileLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that also reads exponent numbers without a dot (`1e-3`, `5E4`) as floats:
-    YAML 1.1 reads them as strings, YAML 1.2 and Python as numbers."""
+    """yaml.SafeLoader that also reads exponent numbers without a dot (`1e-3`, `5E4`) as floats
+    (YAML 1.1 reads them as strings, YAML 1.2 and Python as numbers), refuses a key given twice in
+    one mapping, and refuses aliases (`*name`: a few nested ones expand to gigabytes)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            line = self.peek_event().start_mark.line + 1
+            raise ParamsError(f"line {line}: YAML aliases (*name) are not allowed in a profile (a few "
+                              "nested ones expand without bound); write the value out, or share settings "
+                              "with `inherit: other.yaml`")
+        return super().compose_node(parent, index)
 
 
 _ProfileLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
     list("-+0123456789"))
+
+
+def _construct_mapping(loader: _ProfileLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    """A mapping whose keys are all distinct: YAML would keep the last of two `data:` blocks (or two
+    `lr:` lines) and silently drop the first."""
+    seen = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        line = key_node.start_mark.line + 1
+        if isinstance(key, (str, int, float, bool)) and key in seen:
+            raise ParamsError(f"{key}: given twice in one mapping (lines {seen[key]} and {line}); keep one")
+        seen.setdefault(key, line)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_ProfileLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
 def _read_yaml(path: Path, seen: tuple = ()) -> dict:
@@ -360,6 +423,7 @@ def _read_yaml(path: Path, seen: tuple = ()) -> dict:
                           "to this file; or local.yaml, b300.yaml) and state only what differs")
     if not isinstance(raw, dict):
         raise ParamsError(f"{path}: a profile must be a mapping of keys, got {type(raw).__name__}")
+    _anchor_target_path(raw, path.parent)
     parent = raw.pop("inherit", None)
     if parent is None:
         return raw
@@ -367,6 +431,15 @@ def _read_yaml(path: Path, seen: tuple = ()) -> dict:
         raise ParamsError(f"inherit: expected a file name, got {parent!r}")
     base = _read_yaml(path.parent / parent, seen + (path.resolve(),))
     return _merge(base, raw)
+
+
+def _anchor_target_path(raw: dict, folder: Path) -> None:
+    """A relative target.path is taken from the profile's own folder (like `inherit`) and stored
+    absolute: the CLI and the notebooks (whose kernels run in notebooks/) then read the same folder."""
+    target = raw.get("target")
+    path = target.get("path") if isinstance(target, dict) else None
+    if isinstance(path, str) and path.strip() and not path.startswith("embedded:") and not Path(path).is_absolute():
+        target["path"] = str((folder / path).resolve())
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -438,6 +511,28 @@ def _build(cls, raw: dict, prefix: str):
     return cls(**kwargs)
 
 
+# Thinking-mode answers (reasoning + answer) of Kimi-K2.5-class targets on chat prompts are assumed
+# to have a median of a few thousand tokens (an assumption, NOTES.md "Token-exact training data"):
+# below this many new tokens (or training tokens) most of them would be cut before the answer.
+THINKING_MIN_NEW_TOKENS = 4096
+
+
+def regen_cap_problem(d: DataParams, thinking: bool) -> Optional[str]:
+    """Why regenerating in thinking mode with these data params would cut most answers (None: it
+    would not, or no thinking / no regeneration). params.validate refuses data.thinking: on with it;
+    data.prepare_data refuses it where "auto" resolves to thinking; plan.py may show it."""
+    if not (d.regenerate and thinking):
+        return None
+    kept = min(d.regen_max_new_tokens, d.max_length)
+    if kept >= THINKING_MIN_NEW_TOKENS:
+        return None
+    return (f"thinking mode: answers are reasoning then answer, assumed thousands of tokens; "
+            f"regen_max_new_tokens={d.regen_max_new_tokens} with max_length={d.max_length} keeps at most "
+            f"{kept} generated tokens per answer, so most would be cut before the answer "
+            f"(< {THINKING_MIN_NEW_TOKENS}). Raise data.regen_max_new_tokens and data.max_length to "
+            f">= {THINKING_MIN_NEW_TOKENS} (the cache grows with them), or set data.thinking: off (instant mode)")
+
+
 def _check_breadth(e: EvalParams) -> None:
     """eval.sample_temperatures, eval.domains, eval.breadth_prompts (05_eval's breadth groups)."""
     temps = e.sample_temperatures
@@ -467,6 +562,7 @@ def validate(p: Params) -> Params:
         value = getattr(getattr(p, sec), name)
         need(value in allowed, key, f"must be one of {sorted(allowed)}, got {value!r}")
     check_run_name(p.run_name, "run_name")
+    _check_output_dir(p)
     _check_finite(p)
     d, x, t, e = p.data, p.extract, p.train, p.eval
     need(d.num_eval >= 1, "data.num_eval", "must be >= 1")
@@ -482,6 +578,8 @@ def validate(p: Params) -> Params:
     need(d.regen_num_train is None or d.regenerate, "data.regen_num_train", "needs data.regenerate: true")
     need(d.regen_num_train is None or d.num_train is None or d.regen_num_train <= d.num_train,
          "data.regen_num_train", "must be <= data.num_train")
+    cut = regen_cap_problem(d, thinking=d.thinking == "on")   # "auto": the data stage checks the template
+    need(cut is None, "data.regen_max_new_tokens", cut or "")
     data_sources(d.source)   # structure only: whether the files exist is chats.check_sources' job
     need(x.batch_tokens >= d.max_length, "extract.batch_tokens", "must be >= data.max_length")
     need(x.shard_tokens >= 1, "extract.shard_tokens", "must be >= 1")
@@ -501,6 +599,14 @@ def validate(p: Params) -> Params:
     need(t.lr > 0, "train.lr", "must be > 0")
     need(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
     need(t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+    need(t.warmup_fraction is None or 0 <= t.warmup_fraction <= MAX_WARMUP_FRACTION, "train.warmup_fraction",
+         f"must be in [0, {MAX_WARMUP_FRACTION}] (a share of the planned steps), got {t.warmup_fraction}")
+    if t.max_steps is not None and t.warmup_fraction is None:
+        need(t.warmup_steps <= max_warmup_steps(t.max_steps), "train.warmup_steps",
+             warmup_problem(t.warmup_steps, t.max_steps, "train.max_steps"))
+    need(t.checkpoint_fraction is None or 0 < t.checkpoint_fraction <= 1, "train.checkpoint_fraction",
+         "must be in (0, 1] (a share of the planned steps; null: train.checkpoint_every)")
+    need(t.checkpoint_minutes is None or t.checkpoint_minutes > 0, "train.checkpoint_minutes", "must be > 0 (or null: off)")
     need(t.grad_clip > 0, "train.grad_clip", "must be > 0")
     need(t.epochs > 0, "train.epochs", "must be > 0")
     need(t.max_steps is None or t.max_steps >= 1, "train.max_steps", "must be >= 1")
@@ -509,16 +615,21 @@ def validate(p: Params) -> Params:
     need(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
     need(t.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
     need(t.nproc >= 1, "train.nproc", "must be >= 1")
+    need(t.pg_timeout_minutes >= 1, "train.pg_timeout_minutes",
+         "must be >= 1 (minutes a rank waits for the others; a short one stops long runs at a barrier)")
+    need(0 < t.verify_sample <= 1, "train.verify_sample", "must be in (0, 1] (the share of shards hashed "
+         "when train.verify_cache is sampled)")
     need(t.num_workers >= 0, "train.num_workers", "must be >= 0 (0: read batches in the training process)")
     need(t.gpu_memory_gb is None or t.gpu_memory_gb > 0, "train.gpu_memory_gb", "must be > 0 (or null: no check)")
     need(t.eval_sequences >= 1, "train.eval_sequences", "must be >= 1")
     need(t.max_sequences is None or t.max_sequences >= 1, "train.max_sequences", "must be >= 1 or null (all)")
     sc = p.scaling
-    need(all(isinstance(n, int) and n >= 1 for n in sc.sizes) and list(sc.sizes) == sorted(set(sc.sizes)),
-         "scaling.sizes", f"must be distinct positive chat counts in ascending order, got {sc.sizes}")
+    need(all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sc.sizes)
+         and list(sc.sizes) == sorted(set(sc.sizes)),
+         "scaling.sizes", "must be distinct positive chat counts in ascending order, got " + _short(sc.sizes))
     need(sc.epochs > 0, "scaling.epochs", "must be > 0")
-    need(all(isinstance(x, (int, float)) and x > 1 for x in sc.targets), "scaling.targets",
-         f"acceptance lengths must be > 1, got {sc.targets}")
+    need(all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 1 for x in sc.targets),
+         "scaling.targets", "acceptance lengths must be > 1, got " + _short(sc.targets))
     need(t.diverge_steps >= 0, "train.diverge_steps", "must be >= 0 (0: no divergence guard)")
     need(0 < t.diverge_uniform_rtol < 1, "train.diverge_uniform_rtol", "must be in (0, 1)")
     need(t.diverge_loss_rise > 1, "train.diverge_loss_rise", "must be > 1")
@@ -537,8 +648,9 @@ def validate(p: Params) -> Params:
     need(e.max_new_tokens >= 1, "eval.max_new_tokens", "must be >= 1")
     need(1 <= e.k <= 16, "eval.k", "must be in 1..16")
     need(e.temperature >= 0, "eval.temperature", "must be >= 0")
-    need(len(e.ngram_k) >= 1 and all(isinstance(k, int) and k >= 1 for k in e.ngram_k), "eval.ngram_k",
-         "must be a non-empty list of ints >= 1")
+    need(len(e.ngram_k) >= 1 and all(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 16
+                                     for k in e.ngram_k), "eval.ngram_k",
+         "must be a non-empty list of ints in 1..16 (like eval.k)")
     need(1 <= e.prompt_lookup_min <= e.prompt_lookup_max, "eval.prompt_lookup_min",
          "must satisfy 1 <= prompt_lookup_min <= prompt_lookup_max")
     need(isinstance(e.suffix_baseline, bool), "eval.suffix_baseline", "must be true or false")
@@ -565,8 +677,12 @@ def validate(p: Params) -> Params:
         need(d.draft_vocab_size <= v, "data.draft_vocab_size",
              f"{d.draft_vocab_size} is larger than the target vocabulary ({v})")
         if x.aux_layers is not None:
-            need(len(x.aux_layers) == 3 and all(isinstance(i, int) for i in x.aux_layers),
-                 "extract.aux_layers", f"must be 3 layer ids, got {x.aux_layers!r}")
+            need(len(x.aux_layers) == 3 and all(isinstance(i, int) and not isinstance(i, bool)
+                                                for i in x.aux_layers),
+                 "extract.aux_layers", "must be 3 layer ids (ints), got " + _short(x.aux_layers))
+            need(len(set(x.aux_layers)) == 3, "extract.aux_layers",
+                 f"{x.aux_layers} repeats a layer: the drafter needs 3 different layers (low, middle, "
+                 "high; default (2, N//2, N-3))")
             need(all(0 <= i < n for i in x.aux_layers), "extract.aux_layers",
                  f"{x.aux_layers} out of range: the target has {n} layers (valid ids 0..{n - 1})")
         else:
@@ -574,6 +690,35 @@ def validate(p: Params) -> Params:
         need(t.init_from_layer is None or -n <= t.init_from_layer < n, "train.init_from_layer",
              f"{t.init_from_layer} out of range: the target has {n} layers (valid -{n}..{n - 1})")
     return p
+
+
+# The most warmup a run may have: this share of its planned optimizer steps (rounded up), and at least
+# MIN_WARMUP_ALLOWED steps (tiny plumbing runs such as ci's 12 steps keep their 2 warmup steps).
+MAX_WARMUP_FRACTION = 0.1
+MIN_WARMUP_ALLOWED = 2
+
+
+def max_warmup_steps(planned_steps: int) -> int:
+    return max(MIN_WARMUP_ALLOWED, math.ceil(MAX_WARMUP_FRACTION * planned_steps))
+
+
+def planned_warmup(t: TrainParams, planned_steps: int) -> int:
+    """Warmup steps of a run of planned_steps: train.warmup_fraction of them when set, else warmup_steps."""
+    return round(t.warmup_fraction * planned_steps) if t.warmup_fraction is not None else t.warmup_steps
+
+
+def checkpoint_interval(t: TrainParams, planned_steps: int) -> int:
+    """Steps between checkpoints: train.checkpoint_fraction of planned_steps when set, else checkpoint_every."""
+    return max(1, round(t.checkpoint_fraction * planned_steps)) if t.checkpoint_fraction is not None \
+        else t.checkpoint_every
+
+
+def warmup_problem(warmup: int, planned_steps: int, basis: str) -> str:
+    """The refusal of a warmup longer than max_warmup_steps(planned_steps), naming the fix."""
+    return (f"{warmup} warmup steps are {warmup / max(planned_steps, 1):.0%} of the {planned_steps:,} planned "
+            f"optimizer steps ({basis}); at most {MAX_WARMUP_FRACTION:.0%} ({max_warmup_steps(planned_steps)} steps) "
+            "is allowed, else most of the run never leaves warmup: lower train.warmup_steps or set "
+            "train.warmup_fraction (e.g. 0.02), which follows the run's size")
 
 
 SOURCE_KEYS = ("path", "max_records")
@@ -617,6 +762,26 @@ def data_sources(source: Any, key: str = "data.source") -> list[tuple[str, Optio
     if dup is not None:
         raise ParamsError(f"{key}: {dup!r} is listed twice; list each source once (its max_records caps it)")
     return out
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    """repr(value) cut to `limit` characters, for error messages about user-given lists."""
+    text = repr(value) if not isinstance(value, list) or len(value) <= 64 else f"a list of {len(value)} items"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# Folders of the checkout that a run folder must never land in (output_dir: . would make them runs).
+REPO_FOLDERS = (".git", ".venv", ".ci", "eagle3lib", "params", "notebooks", "tests", "bench")
+
+
+def _check_output_dir(p: Params) -> None:
+    """output_dir is a folder of its own: not the checkout (or a folder above it), nor inside one of
+    the checkout's own folders (eagle3lib, params, ...), where run names would meet the repo's files."""
+    out, repo = p.outputs_root().resolve(), repo_root().resolve()
+    if out == repo or out in repo.parents or any(out == repo / f or repo / f in out.parents for f in REPO_FOLDERS):
+        raise ParamsError(f"output_dir: {p.output_dir!r} resolves to {out}, which is the checkout {repo}, a folder "
+                          f"above it or one of its own folders: run folders would mix with the repository's "
+                          f"files; use 'outputs' (the default) or a folder of its own, e.g. /data/eagle3-outputs")
 
 
 def _check_finite(p: Params) -> None:

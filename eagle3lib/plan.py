@@ -1,8 +1,9 @@
-"""Capacity planner: how many tokens, how many bytes, how many hours, before anything runs.
+"""Capacity planner: how many tokens, how many bytes, how many hours per stage, before anything runs,
+and what would stop the full run (full_run_problems: disk, host memory, schedule, thinking mode).
 
-Everything here is arithmetic on the params profile plus a few stated throughput assumptions
-(measured on the 2-core CPU for the local profile; derived from FLOPs and an assumed model FLOP
-utilisation for GPU boxes). It imports nothing heavy so `eagle3 plan` answers at once.
+Everything here is arithmetic on the params profile plus stated rates. It imports nothing heavy so
+`eagle3 plan` answers at once. The per-stage time model (engine starts, I/O, verification, decode
+bandwidth, the trainer measurement) lives in stage_times.py.
 
 Every figure says where it comes from ("measured" or "assumed"):
 - chats: counted from the sources themselves (`count_sources`: read and normalised, duplicates
@@ -11,14 +12,16 @@ Every figure says where it comes from ("measured" or "assumed"):
 - tokens per conversation: measured when the run's data stage ran with the same data params
   (`data/stats.json`, read by `stats.load_stats`), else assumed from the constants below;
 - rates: measured by this run folder's last run of the same backend (the data stage's regeneration
-  tokens/s, metrics.json's extract and train tokens/s), else assumed (the CPU constants below, or
-  FLOPs at a stated MFU on GPUs).
+  tokens/s, metrics.json's extract and train tokens/s), else stage_times.py's: this CPU's from the
+  recorded runs of its host kind, GPUs' from the H200 trainer measurement and stated assumptions.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -26,34 +29,29 @@ from typing import Optional
 import yaml
 
 from .chats import MalformedRecord, chat_hash, iter_raw_records, normalize_chat, path_sha256, sources_of, source_problem
-from .files import atomic_write_json, read_json
+from .files import atomic_write_json, read_json, read_metrics
 from .layout import RunLayout
-from .params import Params, cpu_has_native_bf16
+from .params import (Params, ParamsError, checkpoint_interval, max_warmup_steps, planned_warmup, regen_cap_problem,
+                     warmup_problem)
+from .stage_times import KNOWN_CHECKPOINT_BYTES, Workload, drafter_flops_per_token, host_for, stage_seconds
 from .stats import DataStats, load_stats as load_data_stats
 
 # Mean tokens of one ShareGPT conversation after the chat template (measured on SmolLM2's
 # tokenizer over the first 2,000 records, see NOTES.md); truncation caps it at max_length.
 SHAREGPT_MEAN_TOKENS = 1100
-# Regenerated chats: the prompt (system + first user turn) plus the capped answer.
-REGEN_PROMPT_TOKENS = 120
-
-# Throughputs measured on this 2-core CPU (DEVELOPERS.md, NOTES.md), tokens per second, on a host
-# with native bf16 (AVX512-BF16/AMX). An AVX2-only host is far slower: NOTES.md, seventh session.
-CPU_EXTRACT_TOKENS_PER_S = 3400      # bf16 forward with hidden states, SmolLM2, 8 x 256
-CPU_TRAIN_TOKENS_PER_S = 800         # drafter training goal/measure at ttt_steps 7 (H=576)
-CPU_REGEN_TOKENS_PER_S = 400         # vLLM CPU batched generation (SmolLM2), see NOTES.md
-# The same stages on an AVX2-only host (no native bf16, so `dtype: auto` computes in fp32), NOTES.md:
-# regeneration and extraction from the ninth session's fresh-clone `make pipeline` on the local
-# profile (75 and 237 tok/s, partly under load); training: the local profile's trainer at ttt 4 on
-# that run's cache, idle, 392 tok/s (= 224 at the ttt-7 basis below; NOTES.md, tenth session), after
-# Muon's Newton-Schulz iteration moved to fp32 on such hosts (eagle3lib/muon.py; 42 tok/s before).
-AVX2_CPU_RATES = {"regen": 80, "extract": 240, "train": 224}
-
-# GPU assumptions for a big box (stated, not measured here).
-GPU_BF16_FLOPS = 2.25e15             # dense bf16 per B300-class GPU
-MFU_EXTRACT = 0.30                   # forward-only, MoE, vLLM/TP or well-fed transformers
-MFU_TRAIN = 0.30
-MFU_REGEN = 0.10                     # decoding is memory-bound; a low utilisation is realistic
+# Regenerated chats (measured on the local run, SmolLM2, 2,000 chats at a 128-token cap: 388,564
+# tokens = 194 per chat, mean answer 110 tokens): the prompt and template, and the share of the cap
+# an answer fills (instant mode; a thinking-mode answer is assumed to fill its cap).
+REGEN_PROMPT_TOKENS = 84
+REGEN_ANSWER_FILL = 0.86
+# Real tokens per micro-batch / train.batch_tokens after length bucketing (measured: local's
+# 388,564 tokens made ~446 micro-batches of 1,024 per epoch; local-long 0.90).
+BATCH_FILL = 0.85
+# Held-out sequences' assistant share when the answers are the dataset's (assumed).
+ASSISTANT_SHARE = 0.6
+# Share of this host's memory the held-out set may take (the rest: DataLoader workers, the target
+# head, the process itself; assumed).
+HOST_MEMORY_SHARE = 0.5
 
 
 @dataclass
@@ -63,22 +61,27 @@ class Shape:
     vocab_size: int
     intermediate_size: int
     active_params: float              # parameters touched per token (MoE: active experts)
+    total_params: float               # every parameter (MoE: all experts)
     num_gpus: int
     name: str
 
 
-KNOWN_ACTIVE_PARAMS = {576: 135e6, 7168: 32e9}  # SmolLM2-135M; Kimi-K2.5-class (32B active of 1T)
+# SmolLM2-135M; Kimi-K2.5-class (32B active of 1.04T)
+KNOWN_ACTIVE_PARAMS = {576: 135e6, 7168: 32e9}
+KNOWN_TOTAL_PARAMS = {576: 135e6, 7168: 1.04e12}
 
 
 def target_shape(p: Params) -> Shape:
     s = p.target_shape() or {}
     h = s["hidden_size"]
     active = KNOWN_ACTIVE_PARAMS.get(h) or 12 * s["num_hidden_layers"] * h * h + 2 * s["vocab_size"] * h
-    # A profile that asks for CUDA plans for its GPUs (extraction with device_map="auto" uses
-    # the whole node, training uses train.nproc ranks); "auto"/"cpu" plan for this CPU.
-    gpus = max(p.extract.nproc, p.train.nproc) if p.extract.device == "cuda" else 0
+    # A profile that asks for CUDA plans for its GPUs (one vLLM engine over tensor x data parallel
+    # GPUs, training on train.nproc ranks); "auto"/"cpu" plan for this CPU.
+    t = p.target
+    gpus = max(p.extract.nproc, p.train.nproc, t.tensor_parallel_size * t.data_parallel_size) \
+        if p.extract.device == "cuda" else 0
     return Shape(s["num_hidden_layers"], h, s["vocab_size"], s.get("intermediate_size", 4 * h),
-                 active, gpus, p.target.path)
+                 active, KNOWN_TOTAL_PARAMS.get(h) or active, gpus, p.target.path)
 
 
 def drafter_params(shape: Shape, draft_vocab: int) -> float:
@@ -88,6 +91,19 @@ def drafter_params(shape: Shape, draft_vocab: int) -> float:
     attn = 2 * h * h * 2 + 2 * h * h // 2 + h * h  # q and k/v (kv heads <= heads) on 2H, o_proj
     mlp = 3 * h * i
     return fc + attn + mlp + draft_vocab * h
+
+
+def checkpoint_bytes(p: Params, shape: Shape) -> tuple[float, str]:
+    """The target's weights on disk (what each engine start reads): its safetensors files when the
+    checkpoint is on this machine, else a known figure, else its parameters in target.dtype."""
+    folder = Path(p.target.path)
+    files = list(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if files:
+        return float(sum(f.stat().st_size for f in files)), f"measured: {len(files)} safetensors files"
+    if shape.hidden_size in KNOWN_CHECKPOINT_BYTES:
+        return KNOWN_CHECKPOINT_BYTES[shape.hidden_size], "assumed: Kimi-K2.5's published INT4 checkpoint"
+    elem = 4 if p.target.dtype == "float32" else 2
+    return shape.total_params * elem, f"assumed: {shape.total_params:.3g} parameters in {p.target.dtype}"
 
 
 # ---- chats the sources give ------------------------------------------------------------------
@@ -173,7 +189,7 @@ def measured_rates(p: Params, layout: RunLayout, stats: Optional[DataStats] = No
             and p.data.regen_backend in ("auto", stats.regen.backend):   # stats of this profile's data
         out["regen"] = (stats.regen.tokens_per_s_this_run, f"data/stats.json ({stats.regen.backend})")
     ran = yaml.safe_load(layout.params.read_text()) if layout.params.is_file() else None
-    metrics = read_json(layout.metrics) if layout.metrics.is_file() else {}
+    metrics = read_metrics(layout.metrics)
     if not isinstance(ran, dict) or ran.get("target", {}).get("path") != p.target.path:
         return out
     extract = metrics.get("extract", {}).get("tokens_per_s")
@@ -212,7 +228,7 @@ def tokens_per_conversation(p: Params, stats: Optional[DataStats] = None, n_conv
     original = min(p.data.max_length, SHAREGPT_MEAN_TOKENS)
     if not p.data.regenerate:
         return original
-    regenerated = min(p.data.max_length, REGEN_PROMPT_TOKENS + p.data.regen_max_new_tokens * p.data.regen_max_turns)
+    regenerated = min(p.data.max_length, REGEN_PROMPT_TOKENS + regenerated_tokens_per_chat(p))
     n_conv = train_conversations(p) if n_conv is None else n_conv
     n_regen = regenerated_conversations(p, n_conv)
     return (n_regen * regenerated + (n_conv - n_regen) * original) / max(n_conv, 1)
@@ -234,54 +250,87 @@ def memory_plan(p: Params) -> dict:
     return out
 
 
-def _rates(p: Params, shape: Shape, draft_p: float, measured: dict) -> tuple[dict, str]:
-    """{"regen"|"extract"|"train": (tokens/s, "measured (...)" or "assumed (...)")} and the
-    assumptions' basis: this run's measured rates where it has them, else the stated constants."""
-    steps = p.train.ttt_steps
-    if shape.num_gpus == 0:  # this CPU: rates measured once on the 2-core CPU (NOTES.md), assumed here
-        if cpu_has_native_bf16():
-            assumed = {"regen": CPU_REGEN_TOKENS_PER_S, "extract": CPU_EXTRACT_TOKENS_PER_S,
-                       "train": CPU_TRAIN_TOKENS_PER_S * 7 / steps}
-            basis = "measured on the 2-core CPU with native bf16"
-        else:
-            assumed = {**AVX2_CPU_RATES, "train": AVX2_CPU_RATES["train"] * 7 / steps}
-            basis = "measured on the 2-core AVX2-only CPU (fp32)"
-    else:  # FLOP-based: 2 FLOPs/param/token forward, x3 for training, per TTT step
-        flops = shape.num_gpus * GPU_BF16_FLOPS
-        train_flops_per_token = steps * 6 * draft_p + 2 * p.data.draft_vocab_size * shape.hidden_size
-        assumed = {"regen": flops * MFU_REGEN / (2 * shape.active_params),
-                   "extract": flops * MFU_EXTRACT / (2 * shape.active_params),
-                   "train": flops * MFU_TRAIN / train_flops_per_token}
-        basis = f"{shape.num_gpus} GPUs x {GPU_BF16_FLOPS / 1e15:.2f} PFLOP/s bf16 at the stated MFU"
-    out = {}
-    for stage, value in assumed.items():
-        if stage in measured:
-            out[stage] = (measured[stage][0], f"measured ({measured[stage][1]})")
-        else:
-            out[stage] = (value, f"assumed ({basis})")
-    return out, basis
+def answer_fill(p: Params) -> float:
+    """Share of regen_max_new_tokens an answer fills: REGEN_ANSWER_FILL, 1 in thinking mode."""
+    return 1.0 if getattr(p.data, "thinking", "off") == "on" else REGEN_ANSWER_FILL
+
+
+def regenerated_tokens_per_chat(p: Params) -> float:
+    """Generated tokens of one regenerated chat (every regenerated turn at answer_fill of the cap)."""
+    return answer_fill(p) * p.data.regen_max_new_tokens * p.data.regen_max_turns
+
+
+def train_world(p: Params) -> int:
+    """Ranks of the trainer (train.nproc under ddp/fsdp, else 1)."""
+    return p.train.nproc if p.train.distributed != "none" else 1
+
+
+def planned_steps(p: Params, tokens: float, sequences: int) -> int:
+    """Optimizer steps as train.schedule counts them, before the cache exists: train.max_steps, else
+    epochs x (micro-batches // (ranks x grad_accum)), the micro-batches from `tokens` (one epoch of
+    `sequences`) at BATCH_FILL of train.batch_tokens, at least one per sequence too long to share one."""
+    t = p.train
+    if t.max_steps:
+        return t.max_steps
+    mean = tokens / max(sequences, 1)
+    per_batch = max(1, int(t.batch_tokens // max(mean, 1)))
+    micro = max(math.ceil(tokens / (t.batch_tokens * BATCH_FILL)), math.ceil(sequences / per_batch))
+    per_epoch = max(1, micro // (train_world(p) * t.grad_accum))
+    return max(1, math.ceil(t.epochs * per_epoch))
+
+
+def heldout_host_bytes(p: Params, shape: Shape, tok_per_conv: float) -> float:
+    """Host memory of the prepared held-out set (objective.heldout_batches), built once: per token
+    the aux states (fp32 when fc_input_scaling divides them, else the cache dtype) and ids, plus
+    fp32 draft-vocabulary labels at the assistant positions it scores."""
+    t, d = p.train, p.data
+    tokens = min(t.eval_sequences, d.num_eval) * tok_per_conv
+    elem = 4 if t.fc_input_scaling or p.extract.dtype not in ("bfloat16", "float16") else 2
+    share = min(1.0, regenerated_tokens_per_chat(p) / tok_per_conv) if d.regenerate else ASSISTANT_SHARE
+    return tokens * (3 * shape.hidden_size * elem + 8) + tokens * share * 4 * d.draft_vocab_size
 
 
 def capacity_plan(p: Params, stats: Optional[DataStats] = None, memory: bool = True,
-                  sources: Optional[list] = None, layout: Optional[RunLayout] = None) -> dict:
+                  sources: Optional[list] = None, layout: Optional[RunLayout] = None,
+                  host_kind: Optional[str] = None, recorded: Optional[list] = None) -> dict:
     """The plan as a flat dict of named quantities (bytes, tokens, seconds); `stats`: the run's
     measured data stats (measured_stats), used when they match the profile's data params.
     sources: count_sources(p) (counted here when None); layout: the run folder whose measured rates
     are used (default: the profile's run). memory: add "memory" (memory_plan: seconds of meta-device
-    work, and a torch import). Keys ending in "_basis" say "measured ..." or "assumed ..."."""
+    work, and a torch import). host_kind, recorded: plan a CPU run for that host kind ("native_bf16"
+    | "avx2"; default this CPU's) from those recorded runs (default bench/recorded_stage_times.json).
+    "stages": {stage: {"seconds", "optional", "parts": [{"name", "seconds", "basis"}]}}; keys ending
+    in "_basis" say "measured ..." or "assumed ..."."""
     shape = target_shape(p)
     sources = count_sources(p) if sources is None else sources
     n_conv = train_conversations(p, sources)
     tok_per_conv = tokens_per_conversation(p, stats, n_conv)
-    tokens = n_conv * tok_per_conv
+    tokens = (n_conv + p.data.num_eval) * tok_per_conv              # train and held-out caches
     elem = 2 if p.extract.dtype in ("bfloat16", "float16") else 4
     bytes_per_token = elem * 4 * shape.hidden_size + 4 + 1  # aux (3H) + final (H), ids int32, mask u8
     cache_bytes = tokens * bytes_per_token
     draft_p = drafter_params(shape, p.data.draft_vocab_size)
-    regen_tokens = regenerated_conversations(p, n_conv) * p.data.regen_max_new_tokens * p.data.regen_max_turns
-    rates, basis = _rates(p, shape, draft_p, measured_rates(p, layout or p.layout(), stats))
-    epochs = p.train.epochs
-    tokens_basis = "measured (data/stats.json)" if uses_measured_tokens(p, stats) else "estimated"
+    per_chat = regenerated_tokens_per_chat(p) if p.data.regenerate else 0.0
+    regen_train, regen_eval = regenerated_conversations(p, n_conv) * per_chat, p.data.num_eval * per_chat
+    sequences = n_conv if p.train.max_sequences is None else min(n_conv, p.train.max_sequences)
+    steps = planned_steps(p, sequences * tok_per_conv, sequences)
+    if p.train.max_steps:
+        train_tokens = steps * train_world(p) * p.train.grad_accum * p.train.batch_tokens * BATCH_FILL
+    else:
+        train_tokens = p.train.epochs * sequences * tok_per_conv
+    ckpt_bytes, ckpt_basis = checkpoint_bytes(p, shape)
+    flops = drafter_flops_per_token({"hidden_size": shape.hidden_size, "draft_vocab_size": p.data.draft_vocab_size,
+                                     "ttt_steps": p.train.ttt_steps})
+    work = Workload(chats=n_conv + p.data.num_eval, regen_tokens_train=regen_train, regen_tokens_eval=regen_eval,
+                    extract_tokens=tokens, cache_bytes=cache_bytes, train_tokens=train_tokens,
+                    tokens_per_chat=tok_per_conv, planned_steps=steps, active_params=shape.active_params,
+                    total_params=shape.total_params, checkpoint_bytes=ckpt_bytes, checkpoint_basis=ckpt_basis,
+                    drafter_flops_per_token=flops)
+    host = host_for(p, shape.num_gpus, host_kind, recorded)
+    stages = stage_seconds(p, work, host, measured_rates(p, layout or p.layout(), stats))
+    rates = {st.rate[0]: st.rate for st in stages.values() if st.rate is not None}
+    none = (None, None, "not run by this profile", 0.0)
+    regen, extract, train = (rates.get(k, none) for k in ("regen", "extract", "train"))
     plan = {
         "target": shape.name,
         "layers": shape.num_hidden_layers,
@@ -293,30 +342,46 @@ def capacity_plan(p: Params, stats: Optional[DataStats] = None, memory: bool = T
         "chats_basis": _basis(sources),
         "train_conversations": n_conv,
         "tokens_per_conversation": round(tok_per_conv, 1),
-        "tokens_basis": tokens_basis,
+        "tokens_basis": "measured (data/stats.json)" if uses_measured_tokens(p, stats) else "estimated",
         "tokens_to_extract": int(tokens),
         "cache_bytes_per_token": bytes_per_token,
         "cache_bytes": int(cache_bytes),
+        "checkpoint_bytes": ckpt_bytes,
+        "checkpoint_basis": ckpt_basis,
+        "heldout_host_bytes": heldout_host_bytes(p, shape, tok_per_conv),
         "drafter_params": int(draft_p),
+        "planned_steps": steps,
+        "warmup_steps": planned_warmup(p.train, steps),
+        "checkpoint_interval": checkpoint_interval(p.train, steps),
         "regen_backend": p.data.regen_backend if p.data.regenerate else None,
-        "regen_tokens": int(regen_tokens),
-        "regen_tokens_per_s": rates["regen"][0],
-        "regen_rate_basis": rates["regen"][1],
-        "regen_hours": regen_tokens / rates["regen"][0] / 3600,
+        "regen_tokens": int(regen_train + regen_eval),
+        "regen_tokens_per_s": regen[1],
+        "regen_rate_basis": regen[2],
+        "regen_hours": regen[3] / 3600,
         "extract_backend": p.extract.backend,
-        "extract_tokens_per_s": rates["extract"][0],
-        "extract_rate_basis": rates["extract"][1],
-        "extract_hours": tokens / rates["extract"][0] / 3600,
-        "train_tokens_per_s": rates["train"][0],
-        "train_rate_basis": rates["train"][1],
-        "train_hours": tokens * epochs / rates["train"][0] / 3600,
+        "extract_tokens_per_s": extract[1],
+        "extract_rate_basis": extract[2],
+        "extract_hours": extract[3] / 3600,
+        "train_tokens": train_tokens,
+        "train_tokens_per_s": train[1],
+        "train_rate_basis": train[2],
+        "train_hours": train[3] / 3600,
         "train_budget_hours": None if p.train.time_budget_minutes is None else p.train.time_budget_minutes / 60,
-        "throughput_basis": basis,
+        "throughput_basis": host_basis(host),
         "gpu_memory_gb": p.train.gpu_memory_gb,
+        "stages": {name: st.as_dict() for name, st in stages.items()},
+        "total_hours": sum(st.seconds for st in stages.values() if not st.optional) / 3600,
     }
+    plan["problems"] = full_run_problems(p, plan, layout)
     if memory:
         plan["memory"] = memory_plan(p)
     return plan
+
+
+def host_basis(host) -> str:
+    if host.gpus:
+        return f"{host.gpus} x {host.gpu} GPUs ({host.gpu_basis})"
+    return f"this CPU, {host.kind.replace('_', ' ')} (rates measured by the recorded runs of this host kind)"
 
 
 def human_bytes(n: float) -> str:
@@ -352,6 +417,7 @@ def budget_note(plan: dict) -> str:
 
 
 def format_plan(plan: dict) -> str:
+    rate = lambda v: "-" if v is None else f"{v:,.0f} tok/s"
     rows = [
         ("target", plan["target"]),
         ("shape", f"{plan['layers']} layers, hidden {plan['hidden_size']}, vocab {plan['vocab_size']}"),
@@ -361,21 +427,54 @@ def format_plan(plan: dict) -> str:
         ("train conversations", f"{plan['train_conversations']:,} [{plan['chats_basis']}: the chats minus "
                                 "data.num_eval, at most data.num_train]"),
         ("tokens to extract", f"{plan['tokens_to_extract']:,} ({plan['tokens_per_conversation']} / conversation, "
-                              f"{plan['tokens_basis'].replace('estimated', 'assumed')})"),
+                              f"train and held out, {plan['tokens_basis'].replace('estimated', 'assumed')})"),
         ("cache bytes / token", f"{plan['cache_bytes_per_token']:,}"),
         ("hidden-state cache", human_bytes(plan["cache_bytes"])),
+        ("target checkpoint", f"{human_bytes(plan['checkpoint_bytes'])} [{plan['checkpoint_basis']}]"),
+        ("held-out set on the host", f"{human_bytes(plan['heldout_host_bytes'])} [assumed: train.eval_sequences "
+                                     "sequences' aux states and labels, built once]"),
         ("drafter parameters", f"{plan['drafter_params'] / 1e6:,.1f} M"),
-        ("regeneration", f"{plan['regen_tokens']:,} tokens, {plan['regen_tokens_per_s']:,.0f} tok/s, "
+        ("optimizer steps", f"{plan['planned_steps']:,}; warmup {plan['warmup_steps']:,} "
+                            f"({plan['warmup_steps'] / plan['planned_steps']:.1%}); a checkpoint and held-out eval "
+                            f"every {plan['checkpoint_interval']:,} steps [estimated from the tokens]"),
+        ("regeneration", f"{plan['regen_tokens']:,} tokens, {rate(plan['regen_tokens_per_s'])}, "
                          f"{plan['regen_hours']:.2f} h  [backend {plan['regen_backend']}; {plan['regen_rate_basis']}]"),
-        ("extraction", f"{plan['extract_tokens_per_s']:,.0f} tok/s, {plan['extract_hours']:.2f} h  "
+        ("extraction", f"{rate(plan['extract_tokens_per_s'])}, {plan['extract_hours']:.2f} h  "
                        f"[backend {plan['extract_backend']}; {plan['extract_rate_basis']}]"),
-        ("training", f"{plan['train_tokens_per_s']:,.0f} tok/s, {plan['train_hours']:.2f} h  [{plan['train_rate_basis']}]"
+        ("training", f"{rate(plan['train_tokens_per_s'])}, {plan['train_hours']:.2f} h  [{plan['train_rate_basis']}]"
                      + budget_note(plan)),
         ("throughput basis", plan["throughput_basis"]),
     ]
+    rows += stage_rows(plan)
     rows += memory_rows(plan)
+    rows += problem_rows(plan)
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+NOTEBOOK_NUMBER = {"research": "00", "ngram": "01", "data": "02", "extract": "03", "train": "04", "eval": "05",
+                   "scaling": "06"}
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:,.0f} s" if seconds < 5400 else f"{seconds / 3600:.2f} h"
+
+
+def stage_rows(plan: dict) -> list:
+    """(label, text) rows: each stage's planned time, then its parts with their basis."""
+    rows = [("stage times", f"{plan['total_hours']:.2f} h for stages 00-05 (each part: measured or assumed, "
+                            "and its basis)")]
+    for name, st in plan["stages"].items():
+        extra = " (optional: `eagle3 run --only scaling`)" if st["optional"] else ""
+        rows.append((f"  {NOTEBOOK_NUMBER.get(name, '')} {name}", f"{_duration(st['seconds'])}{extra}"))
+        rows += [(f"    {_duration(q['seconds'])}", f"{q['name']}  [{q['basis']}]") for q in st["parts"]]
+    return rows
+
+
+def problem_rows(plan: dict) -> list:
+    """(label, text) rows of full_run_problems: what stops the full run (refused) or may (warning)."""
+    return [("REFUSED" if level == "refuse" else "WARNING", f"{key}: {text}")
+            for level, key, text in plan.get("problems", [])]
 
 
 def memory_rows(plan: dict) -> list:
@@ -393,3 +492,102 @@ def memory_rows(plan: dict) -> list:
             rows.append(("  DOES NOT FIT", m["problem"]))
     return rows
 
+
+
+# ---- what stops the full run -------------------------------------------------------------------
+def _free_bytes(path: Path) -> tuple[float, Path]:
+    """Free bytes of the file system holding `path` (its nearest existing folder)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return float(shutil.disk_usage(path).free), path
+
+
+def _tree_bytes(folder: Path) -> float:
+    return float(sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())) if folder.is_dir() else 0.0
+
+
+def host_memory_bytes() -> float:
+    """Physical memory of this machine (Linux sysconf; 0 when unknown)."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
+def template_thinks(p: Params) -> Optional[bool]:
+    """Whether the target's chat template reasons by default ("<think>" in its text), None when the
+    template is not on this machine. An assumption from the text; the data stage checks it exactly.
+    The embedded targets (SmolLM2 and the miniature built on its tokenizer) have no reasoning mode."""
+    if p.target.path.startswith("embedded:"):
+        return False
+    folder = Path(p.target.path)
+    texts = [f.read_text(errors="replace") for f in (folder / "chat_template.jinja", folder / "tokenizer_config.json")
+             if f.is_file()]
+    return None if not texts else any("<think>" in t for t in texts)
+
+
+def thinking_problem(p: Params) -> Optional[tuple[str, str, str]]:
+    """(level, key, text) when regeneration in thinking mode would cut most answers
+    (params.regen_cap_problem), or when data.thinking is auto and the template cannot be read here."""
+    d = p.data
+    mode = getattr(d, "thinking", None)
+    if not d.regenerate or mode in (None, "off"):
+        return None
+    thinks = True if mode == "on" else template_thinks(p)
+    if thinks is None:
+        return ("warn", "data.thinking", "auto, and the target's chat template is not on this machine, so whether "
+                "regeneration reasons (and how much of each answer data.regen_max_new_tokens keeps) is unknown; "
+                "set data.thinking: on or off")
+    cut = regen_cap_problem(d, thinks)
+    return None if cut is None else ("refuse", "data.regen_max_new_tokens", cut)
+
+
+def full_run_problems(p: Params, plan: dict, layout: Optional[RunLayout] = None) -> list:
+    """[(level "refuse" | "warn", key, text)]: what would stop (or spoil) the full run although its
+    smoke slice would pass: warmup longer than MAX_WARMUP_FRACTION of the planned steps, no
+    intermediate checkpoint, a disk too small for the caches, host memory too small for the held-out
+    set, thinking-mode answers cut by regen_max_new_tokens."""
+    layout = layout or p.layout()
+    t, steps, out = p.train, plan["planned_steps"], []
+    warmup = planned_warmup(t, steps)
+    if warmup > max_warmup_steps(steps):
+        out.append(("refuse", "train.warmup_steps", warmup_problem(warmup, steps, "estimated by the plan")))
+    if plan["checkpoint_interval"] >= steps > 1 and t.checkpoint_minutes is None:
+        out.append(("warn", "train.checkpoint_every", f"{plan['checkpoint_interval']:,} >= the {steps:,} planned steps: "
+                    "no intermediate checkpoint or held-out eval; set train.checkpoint_fraction (e.g. 0.1) or "
+                    "train.checkpoint_minutes"))
+    free, where = _free_bytes(layout.root)
+    need = plan["cache_bytes"] - _tree_bytes(layout.root / "hidden")
+    if need > free:
+        out.append(("refuse", "output_dir", f"the hidden-state caches need {human_bytes(need)} more, {where} has "
+                    f"{human_bytes(free)} free: free space or point output_dir at a larger disk, or lower "
+                    "data.num_train / data.max_length"))
+    memory, held = host_memory_bytes(), plan["heldout_host_bytes"]
+    if memory and held > HOST_MEMORY_SHARE * memory:
+        out.append(("refuse", "train.eval_sequences", f"the held-out set takes ~{human_bytes(held)} of host memory, "
+                    f"over {HOST_MEMORY_SHARE:.0%} of this machine's {human_bytes(memory)}: lower "
+                    f"train.eval_sequences ({t.eval_sequences}) or run on a host with more memory"))
+    thinking = thinking_problem(p)
+    if thinking is not None:
+        out.append(thinking)
+    available = plan["available_chats"] - p.data.num_eval
+    if p.data.num_train is not None and p.data.num_train > available:
+        out.append(("warn", "data.num_train", f"{p.data.num_train:,} asked, the sources hold {max(available, 0):,} "
+                    f"chats after the {p.data.num_eval:,} held out: training uses those; add sources or lower it"))
+    return out
+
+
+def refuse_full_run(p: Params, layout: Optional[RunLayout] = None, log=print) -> list:
+    """Before any stage of `eagle3 run`: raise ParamsError naming each refused figure and its fix;
+    log and return the warnings."""
+    layout = layout or p.layout()
+    plan = capacity_plan(p, measured_stats(layout), memory=False, layout=layout)
+    problems = full_run_problems(p, plan, layout)
+    refused = [f"{key}: {text}" for level, key, text in problems if level == "refuse"]
+    if refused:
+        raise ParamsError("the full run cannot finish (eagle3 plan shows the figures): " + "; ".join(refused))
+    warnings = [f"{key}: {text}" for level, key, text in problems if level == "warn"]
+    for w in warnings:
+        log(f"[eagle3] warning: {w}")
+    return warnings

@@ -6,10 +6,24 @@ an assistant turn is sent to the target (greedy when `regen_temperature == 0`, s
 at most `regen_max_new_tokens`), its answer replaces the original, and the next original user turn
 follows, for up to `regen_max_turns` assistant turns; later turns are dropped.
 
+Token-exact: every turn's prompt is rendered here (chat_template.prompt_ids, in data.thinking's
+mode) and sent to the engine as ids; the engine's generated ids are stored as they came back. The
+training sequence of a chat is `token_sequence(result)`: turn 1's prompt ids, its generated ids,
+then for each later turn the ids its prompt adds, and its generated ids; the loss mask is 1 on
+exactly the generated ids. Nothing is decoded and re-rendered into the trained sequence: the text
+kept beside the ids (`messages`) only builds the next turn's prompt and is shown to readers.
+
 Rules (documented choices):
+- Multi-turn: the next turn's prompt is rendered from the history (the previous answer's text,
+  its reasoning dropped as a serving stack sends it back). When those prompt ids do not start with
+  the sequence so far, the template re-renders history differently from what the target wrote
+  (Kimi-K2.5 in thinking mode renders a past answer as `<think></think>` + answer, never with its
+  reasoning; a BPE split the tokenizer would not make): the chat ENDS before that turn, keeping the
+  turns before it, and is counted (`cut_inconsistent`). One chat stays one prefix-consistent
+  sequence, trained exactly as the target produced it; the alternative (each turn its own sequence,
+  its history re-rendered) repeats the whole history in the cache per turn.
 - An answer that hit the length cap has no end-of-turn token: it is marked `"capped": True` and ends
-  the chat; `data.tokenize_chat` then cuts the text after it, so no end token is added or trained
-  as if the model had stopped.
+  the chat; no end token is added or trained as if the model had stopped.
 - An empty (whitespace-only) answer ends the chat before that turn; when it is the first answer
   the chat is dropped (counted `dropped_empty`).
 - A turn whose prompt already has `data.max_length` tokens or more is not generated (training
@@ -27,8 +41,8 @@ HF batch, or per `regen_batch_size` chats finished by vLLM (in the order they fi
 hashes every setting the answers depend on. A rerun keeps finished chats.
 Every result carries `prompt_key(chat)`, a hash of the chat's id and of the prompt turns the target
 is asked to answer: a result is reused only for the same id with the same prompts, so a switched or
-edited `data.source` never gets another chat's answer. A chunk without these keys (written before
-they existed) is refused with a message naming the file.
+edited `data.source` never gets another chat's answer. A chunk without these keys, or without the
+token ids (written before they existed), is refused with a message naming the file.
 """
 from __future__ import annotations
 
@@ -43,6 +57,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 
+from .chat_template import prompt_ids, split_reasoning
 from .engine import engine_kwargs
 from .files import atomic_write_bytes, atomic_write_json
 from .layout import RunLayout
@@ -50,7 +65,8 @@ from .progress import tqdm
 from .target import load_target, load_tokenizer, target_path
 from .vllm_bench import run_logged
 
-# generate(conversations, seeds) -> [(text, new_tokens, capped)]
+# generate(prompts: [[prompt id]], seeds) -> [(generated ids, capped)]: the ids as the engine
+# produced them, ending with the end-of-turn token when it stopped (capped: it hit the length cap).
 Generator = Callable[[list, list], list]
 
 
@@ -61,9 +77,10 @@ def resolve_backend(P) -> str:
     return backend
 
 
-# Version of the chunk records: 2 added "key" (prompt_key). It is part of regen_key, so chunks of
-# an older version live in another folder and are never read as if they matched.
-CHUNK_FORMAT = 2
+# Version of the chunk records: 2 added "key" (prompt_key), 3 the token ids ("prompt_ids",
+# "output_ids"). It is part of regen_key, so chunks of an older version live in another folder and
+# are never read as if they matched.
+CHUNK_FORMAT = 3
 
 
 def regen_key(P) -> str:
@@ -72,7 +89,7 @@ def regen_key(P) -> str:
     payload = {"target": P.target.path, "dtype": P.target.dtype, "backend": resolve_backend(P),
                "max_new_tokens": d.regen_max_new_tokens, "temperature": d.regen_temperature,
                "max_turns": d.regen_max_turns, "max_length": d.max_length, "seed": P.seed,
-               "chunk_format": CHUNK_FORMAT}
+               "thinking": d.thinking, "chunk_format": CHUNK_FORMAT}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -96,8 +113,9 @@ def prompt_key(chat: dict, max_turns: int) -> str:
 def load_results(out_dir: Path) -> dict:
     """{prompt key: result} from every finished chunk file.
 
-    Raises ValueError naming the file when a result has no "key" (a chunk of the old format that
-    was copied in): the data stage cannot tell which prompts it answered."""
+    Raises ValueError naming the file when a result has no "key" or no token ids (a chunk of an
+    older format that was copied in): the data stage cannot tell which prompts it answered, or
+    would have to re-render text the target never produced token for token."""
     results = {}
     for path in sorted(Path(out_dir).glob("chunk-*.jsonl")):
         for line in path.read_text(encoding="utf-8").split("\n"):
@@ -109,6 +127,12 @@ def load_results(out_dir: Path) -> dict:
                         f"only (an older chunk format), so they cannot be matched to their prompts; "
                         f"delete that file (or its folder {path.parent}) and rerun: the chats are "
                         f"regenerated")
+                if r.get("status") == "ok" and "output_ids" not in r:
+                    raise ValueError(
+                        f"data stage (regeneration): {path} holds answers as text only (an older chunk "
+                        f"format, without the token ids the target generated), so the training "
+                        f"sequences cannot be token-exact; delete that file (or its folder "
+                        f"{path.parent}) and rerun: the chats are regenerated")
                 results[r["key"]] = r
     return results
 
@@ -122,11 +146,6 @@ def write_chunk(out_dir: Path, results: list[dict]) -> Path:
 
 
 # ---- the turn loop (backend independent) --------------------------------------------------
-def _prompt_tokens(tokenizer, history: list[dict]) -> int:
-    text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
 def _seed(seed: int, conv_id: str, turn: int) -> int:
     return int(hashlib.sha256(f"{seed}\x00{conv_id}\x00{turn}".encode()).hexdigest()[:8], 16)
 
@@ -138,26 +157,43 @@ def _start(chat: dict, max_turns: int) -> dict:
     return {"id": chat["id"], "key": prompt_key(chat, max_turns),
             "source": msgs, "next": first,  # index of the next answer
             "history": [dict(m) for m in msgs[:first]], "done": False, "turns": 0, "asked": 0,
-            "new_tokens": 0, "capped": False, "empty_outputs": 0, "status": "ok"}
+            "new_tokens": 0, "capped": False, "empty_outputs": 0, "status": "ok",
+            "ids": [],                      # the sequence so far: prompt and generated ids of the turns taken
+            "prompt_ids": [], "output_ids": [],   # per turn taken: the ids its prompt added, the ids generated
+            "asking": None,                 # the prompt ids of the turn in flight
+            "inconsistent": False}
 
 
-def _next_prompt(s: dict, tokenizer, max_length: int) -> Optional[list]:
-    """The history to answer next, or None (and `done`) when the prompt has max_length tokens or
-    more: training would truncate the answer away (the chat is dropped when it is the first)."""
-    if _prompt_tokens(tokenizer, s["history"]) >= max_length:
+def _next_prompt(s: dict, tokenizer, max_length: int, thinking: str) -> Optional[list]:
+    """The prompt ids of the next turn, or None (and `done`) when the prompt has max_length tokens or
+    more (training would truncate the answer away; the chat is dropped when it is the first), or
+    when it does not extend the sequence so far (the template re-renders the history differently
+    from what the target generated: the chat ends here, `inconsistent`)."""
+    ids = prompt_ids(tokenizer, s["history"], thinking)
+    if len(ids) >= max_length:
         s["done"] = True
         if s["asked"] == 0:
             s["status"] = "too_long"
         return None
-    return s["history"]
+    if ids[:len(s["ids"])] != s["ids"]:
+        s["done"] = s["inconsistent"] = True
+        return None
+    s["asking"] = ids
+    return ids
 
 
-def _take_answer(s: dict, text: str, new_tokens: int, capped: bool, max_turns: int) -> None:
-    """Append the target's answer (or end the chat on an empty one), then the next user turn."""
+def _take_answer(s: dict, output_ids: list, capped: bool, tokenizer, max_turns: int) -> None:
+    """Append the target's answer (or end the chat on an empty one), then the next user turn.
+    output_ids: as generated; its last id is the end-of-turn token unless capped."""
     turn = s["asked"]
     s["asked"] += 1
-    s["new_tokens"] += new_tokens
-    if not text.strip():
+    output_ids = [int(i) for i in output_ids]
+    answer_ids = output_ids[:-1] if output_ids and not capped else output_ids
+    s["new_tokens"] += len(answer_ids)
+    # The text, as a serving stack returns it (special tokens skipped), builds the next prompt:
+    # the answer, its reasoning dropped. Only the ids enter the training sequence.
+    reasoning, content = split_reasoning(tokenizer.decode(answer_ids, skip_special_tokens=True))
+    if not (reasoning + content).strip():
         s["empty_outputs"] += 1
         s["done"] = True
         if turn == 0:
@@ -165,10 +201,15 @@ def _take_answer(s: dict, text: str, new_tokens: int, capped: bool, max_turns: i
         else:  # drop the user turn that got no answer
             s["history"] = s["history"][:-1]
         return
-    answer = {"role": "assistant", "content": text}
+    answer = {"role": "assistant", "content": content}
+    if reasoning:
+        answer["reasoning_content"] = reasoning
     if capped:
         answer["capped"] = True
     s["history"].append(answer)
+    s["prompt_ids"].append(s["asking"][len(s["ids"]):])
+    s["output_ids"].append(output_ids)
+    s["ids"] = s["asking"] + output_ids
     s["turns"] += 1
     s["capped"] = capped
     nxt = s["next"] + 2  # the following answer; the user turn before it comes first
@@ -182,38 +223,52 @@ def _take_answer(s: dict, text: str, new_tokens: int, capped: bool, max_turns: i
 def _result(s: dict) -> dict:
     """A finished chat's chunk record."""
     if s["history"] and s["history"][-1]["role"] == "user" and s["status"] == "ok":
-        s["history"] = s["history"][:-1]   # a user turn appended for a turn never generated (too long)
-    return {"id": s["id"], "key": s["key"], "messages": s["history"] if s["status"] == "ok" else [],
+        s["history"] = s["history"][:-1]   # a user turn appended for a turn never generated
+    ok = s["status"] == "ok"
+    return {"id": s["id"], "key": s["key"], "messages": s["history"] if ok else [],
             "status": s["status"], "turns": s["turns"], "new_tokens": s["new_tokens"],
-            "capped": s["capped"], "empty_outputs": s["empty_outputs"]}
+            "capped": s["capped"], "empty_outputs": s["empty_outputs"], "inconsistent": s["inconsistent"],
+            "prompt_ids": s["prompt_ids"] if ok else [], "output_ids": s["output_ids"] if ok else []}
+
+
+def token_sequence(result: dict) -> tuple[list[int], list[int]]:
+    """A finished chat's training sequence (input_ids, loss_mask): per turn the ids its prompt added
+    (mask 0) and the ids the target generated (mask 1; the end-of-turn token included when it
+    stopped). Turn k's prompt was exactly the sequence up to its own generated ids."""
+    input_ids, loss_mask = [], []
+    for added, generated in zip(result["prompt_ids"], result["output_ids"]):
+        input_ids += added + generated
+        loss_mask += [0] * len(added) + [1] * len(generated)
+    return input_ids, loss_mask
 
 
 def regenerate_batch(chats: list[dict], generate: Generator, tokenizer, max_turns: int,
-                     max_length: int, seed: int = 0) -> list[dict]:
+                     max_length: int, seed: int = 0, thinking: str = "auto") -> list[dict]:
     """Regenerate up to `max_turns` assistant turns of each chat, all chats of a turn in one call.
 
     Returns one result per chat: {"id", "key" (prompt_key), "messages", "status": ok|empty|too_long,
-    "turns", "new_tokens", "capped", "empty_outputs"}."""
+    "turns", "new_tokens", "capped", "empty_outputs", "inconsistent", "prompt_ids", "output_ids"}."""
     state = [_start(chat, max_turns) for chat in chats]
     for turn in range(max_turns):
-        active = [s for s in state if not s["done"] and _next_prompt(s, tokenizer, max_length) is not None]
+        active = [s for s in state if not s["done"] and _next_prompt(s, tokenizer, max_length, thinking) is not None]
         if not active:
             break
-        outputs = generate([s["history"] for s in active], [_seed(seed, s["id"], turn) for s in active])
-        for s, (text, new_tokens, capped) in zip(active, outputs):
-            _take_answer(s, text, new_tokens, capped, max_turns)
+        outputs = generate([s["asking"] for s in active], [_seed(seed, s["id"], turn) for s in active])
+        for s, (output_ids, capped) in zip(active, outputs):
+            _take_answer(s, output_ids, capped, tokenizer, max_turns)
     return [_result(s) for s in state]
 
 
 def run_streaming(chats: list[dict], engine, tokenizer, out_dir: Path, chunk_size: int, max_turns: int,
-                  max_length: int, seed: int = 0, log: Callable[[str], None] = print) -> dict:
+                  max_length: int, seed: int = 0, log: Callable[[str], None] = print,
+                  thinking: str = "auto") -> dict:
     """Regenerate `chats` through a continuously batching engine: every chat's first turn is
     submitted at once, a chat's next turn as soon as its previous answer is back, so the engine
     never waits for a batch's longest answer. Finished chats are written `chunk_size` at a time
     (one chunk file each, atomic): a kill loses at most the chats not yet in a chunk.
 
-    engine: `submit(request_id, conversation, seed)` and `poll() -> [(request_id, (text,
-    new_tokens, capped))]` (finished requests, blocks until at least one finishes), `busy()`.
+    engine: `submit(request_id, prompt_ids, seed)` and `poll() -> [(request_id, (generated ids,
+    capped))]` (finished requests, blocks until at least one finishes), `busy()`.
     Results equal regenerate_batch's for the same answers (tests/test_data.py checks it)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -222,10 +277,10 @@ def run_streaming(chats: list[dict], engine, tokenizer, out_dir: Path, chunk_siz
 
     def advance(s: dict) -> None:
         """Submit the chat's next turn, or move it to `finished`."""
-        if not s["done"] and _next_prompt(s, tokenizer, max_length) is not None:
+        if not s["done"] and _next_prompt(s, tokenizer, max_length, thinking) is not None:
             request_id = f"{s['key']}-{s['asked']}"   # prompt keys are unique per chat
             waiting[request_id] = s
-            engine.submit(request_id, s["history"], _seed(seed, s["id"], s["asked"]))
+            engine.submit(request_id, s["asking"], _seed(seed, s["id"], s["asked"]))
         else:
             finished.append(_result(s))
 
@@ -242,9 +297,9 @@ def run_streaming(chats: list[dict], engine, tokenizer, out_dir: Path, chunk_siz
     for chat in chats:
         advance(_start(chat, max_turns))
     while engine.busy():
-        for request_id, (text, tokens, capped) in engine.poll():
+        for request_id, (output_ids, capped) in engine.poll():
             s = waiting.pop(request_id)
-            _take_answer(s, text, tokens, capped, max_turns)
+            _take_answer(s, output_ids, capped, tokenizer, max_turns)
             advance(s)
         flush(final=False)
     flush(final=True)
@@ -253,7 +308,7 @@ def run_streaming(chats: list[dict], engine, tokenizer, out_dir: Path, chunk_siz
 
 def run_chunks(chats: list[dict], generate: Generator, tokenizer, out_dir: Path, batch_size: int,
                max_turns: int, max_length: int, seed: int = 0, progress: bool = True,
-               log: Callable[[str], None] = print) -> dict:
+               log: Callable[[str], None] = print, thinking: str = "auto") -> dict:
     """Regenerate `chats` batch by batch; each finished batch is one chunk file."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -263,7 +318,7 @@ def run_chunks(chats: list[dict], generate: Generator, tokenizer, out_dir: Path,
     bar = tqdm(total=len(order), desc="regenerate", disable=not progress)
     for start in range(0, len(order), batch_size):
         results = regenerate_batch(order[start:start + batch_size], generate, tokenizer,
-                                   max_turns, max_length, seed)
+                                   max_turns, max_length, seed, thinking)
         write_chunk(out_dir, results)
         new_tokens += sum(r["new_tokens"] for r in results)
         bar.update(len(results))
@@ -292,14 +347,14 @@ class HFGenerator:
         self.pad_id = pad if pad is not None else self.eos_ids[0]
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
 
-    def __call__(self, conversations: list, seeds: list) -> list:
+    def __call__(self, prompts: list, seeds: list) -> list:
+        """prompts: [[prompt id]] -> [(generated ids up to and including the first end token, capped)]."""
         # torch and transformers (~3 s): only this backend needs them (vLLM runs in a subprocess)
         import torch
         from transformers import GenerationConfig
-        tok = self.tokenizer
-        prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
-                   for c in conversations]
-        enc = tok(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts])   # [B, P]
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [B, P]
         sample = self.temperature > 0
         config = GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=sample,
                                   temperature=self.temperature if sample else None,
@@ -308,14 +363,13 @@ class HFGenerator:
         if sample:
             torch.manual_seed(seeds[0])
         with torch.no_grad():
-            out = self.model.generate(**enc, generation_config=config)   # [B, P + new]
-        new = out[:, enc["input_ids"].shape[1]:].tolist()                # [B, <= max_new]
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                      generation_config=config)          # [B, P + new]
+        new = out[:, width:].tolist()                                    # [B, <= max_new]
         results = []
-        for row in new:
+        for row in new:   # after the end token come pad ids
             stop = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
-            tokens = row if stop is None else row[:stop]
-            text = tok.decode(tokens, skip_special_tokens=True)
-            results.append((text, len(tokens), stop is None))
+            results.append((row if stop is None else row[:stop + 1], stop is None))
         return results
 
 
@@ -330,19 +384,16 @@ class VLLMEngine:
     Stepping keeps every request in the engine at once (vLLM batches continuously) and hands back
     each answer when it finishes, so run_streaming writes chunk files as chats finish.
 
-    engine: `vllm.LLM` kwargs from engine.engine_kwargs(P, "regenerate", ...). Prompts are the
-    chat template's text tokenised without special tokens, as the HF backend reads them."""
+    engine: `vllm.LLM` kwargs from engine.engine_kwargs(P, "regenerate", ...). Prompts arrive as
+    ids (chat_template.prompt_ids, rendered by the turn loop), as the HF backend reads them."""
 
-    def __init__(self, engine: dict, tokenizer, max_new_tokens: int, temperature: float):
+    def __init__(self, engine: dict, max_new_tokens: int, temperature: float):
         from vllm import LLM  # optional dependency, and only this backend's subprocess needs it
         self.engine = LLM(**engine).llm_engine
-        self.tokenizer = tokenizer
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
 
-    def submit(self, request_id: str, conversation: list, seed: int) -> None:
+    def submit(self, request_id: str, ids: list, seed: int) -> None:
         from vllm import SamplingParams  # optional dependency (see __init__)
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         params = SamplingParams(max_tokens=self.max_new_tokens, temperature=self.temperature,
                                 seed=seed if self.temperature > 0 else None)
         self.engine.add_request(request_id, {"prompt_token_ids": ids}, params)
@@ -351,15 +402,15 @@ class VLLMEngine:
         return self.engine.has_unfinished_requests()
 
     def poll(self) -> list:
-        """[(request_id, (text, new_tokens, capped))] of the requests that finished in one step."""
+        """[(request_id, (generated ids, capped))] of the requests that finished in one step.
+        CompletionOutput.token_ids end with the end-of-turn token when it stopped (finish_reason
+        "stop": vLLM stops on the eos ids of generation_config.json and keeps the token)."""
         done = []
         for out in self.engine.step():
             if not out.finished:
                 continue
             c = out.outputs[0]
-            # vLLM's token_ids include the end-of-turn token when it stopped; HF's count does not.
-            new_tokens = len(c.token_ids) - (1 if c.finish_reason == "stop" and c.token_ids else 0)
-            done.append((out.request_id, (c.text, new_tokens, c.finish_reason == "length")))
+            done.append((out.request_id, ([int(t) for t in c.token_ids], c.finish_reason == "length")))
         return done
 
 
@@ -375,7 +426,7 @@ def _run_vllm_subprocess(P, model_path: Path, chats: list[dict], out_dir: Path) 
            "--requests", str(requests), "--out-dir", str(out_dir), "--dtype", P.target.dtype,
            "--max-new-tokens", str(d.regen_max_new_tokens), "--temperature", str(d.regen_temperature),
            "--max-turns", str(d.regen_max_turns), "--max-length", str(d.max_length),
-           "--chunk-size", str(d.regen_batch_size), "--seed", str(P.seed),
+           "--chunk-size", str(d.regen_batch_size), "--seed", str(P.seed), "--thinking", d.thinking,
            "--engine", json.dumps(engine_kwargs(P, "regenerate", model_path,
                                                 max_model_len=d.max_length + d.regen_max_new_tokens))]
     log_path = out_dir / "vllm.log"
@@ -386,8 +437,8 @@ def _run_vllm_subprocess(P, model_path: Path, chats: list[dict], out_dir: Path) 
 
 
 def regenerate_chats(P, run_dir, chats: list[dict], progress: bool = True) -> tuple[list[dict], dict]:
-    """Regenerate `chats` (normalised, with ids). Returns (kept chats with the target's answers,
-    stats). Finished chats in the chunk files are reused (matched by prompt_key: same id and same
+    """Regenerate `chats` (normalised, with ids). Returns (kept chats with the target's answers:
+    {"id", "messages", "input_ids", "loss_mask"} (token_sequence), stats). Finished chats in the chunk files are reused (matched by prompt_key: same id and same
     prompt turns); only the others are generated."""
     d = P.data
     out_dir = RunLayout(run_dir).regen(regen_key(P))
@@ -398,7 +449,7 @@ def regenerate_chats(P, run_dir, chats: list[dict], progress: bool = True) -> tu
                                                 "temperature": d.regen_temperature,
                                                 "max_turns": d.regen_max_turns,
                                                 "max_length": d.max_length, "seed": P.seed,
-                                                "chunk_format": CHUNK_FORMAT})
+                                                "thinking": d.thinking, "chunk_format": CHUNK_FORMAT})
     keys = {c["id"]: prompt_key(c, d.regen_max_turns) for c in chats}
     done = load_results(out_dir)
     pending = [c for c in chats if keys[c["id"]] not in done]
@@ -417,7 +468,7 @@ def regenerate_chats(P, run_dir, chats: list[dict], progress: bool = True) -> tu
             generate = HFGenerator(model_path, P.target.dtype, d.regen_max_new_tokens,
                                    d.regen_temperature, P.target.trust_remote_code)
             run = run_chunks(pending, generate, generate.tokenizer, out_dir, d.regen_batch_size,
-                             d.regen_max_turns, d.max_length, P.seed, progress)
+                             d.regen_max_turns, d.max_length, P.seed, progress, thinking=d.thinking)
     results = load_results(out_dir)
     missing = sorted(conv_id for conv_id, key in keys.items() if key not in results)
     if missing:
@@ -427,13 +478,16 @@ def regenerate_chats(P, run_dir, chats: list[dict], progress: bool = True) -> tu
         r = results[keys[chat["id"]]]
         status[r["status"]] += 1
         if r["status"] == "ok":
-            kept.append({"id": chat["id"], "messages": r["messages"]})
+            input_ids, loss_mask = token_sequence(r)
+            kept.append({"id": chat["id"], "messages": r["messages"], "input_ids": input_ids,
+                         "loss_mask": loss_mask})
     picked = [results[keys[c["id"]]] for c in chats]
     stats = {"backend": backend, "conversations": len(chats), "regenerated": len(pending),
              "from_cache": from_cache, "kept": len(kept),
              "dropped_empty": status["empty"], "dropped_too_long": status["too_long"],
              "empty_outputs": sum(r["empty_outputs"] for r in picked),
              "capped": sum(bool(r["capped"]) for r in picked),
+             "cut_inconsistent": sum(bool(r["inconsistent"]) for r in picked),
              "assistant_turns": sum(r["turns"] for r in picked),
              "new_tokens_total": sum(r["new_tokens"] for r in picked),
              "new_tokens_this_run": run["new_tokens"], "seconds_this_run": run["seconds"],
@@ -455,6 +509,7 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--max-length", type=int, required=True)
     ap.add_argument("--chunk-size", type=int, default=32, help="finished chats per chunk file")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--thinking", default="auto", help="data.thinking: auto | on | off")
     ap.add_argument("--engine", required=True, help="JSON: vllm.LLM kwargs (engine.engine_kwargs)")
     args = ap.parse_args(argv)
 
@@ -466,9 +521,9 @@ def main(argv: Optional[list] = None) -> int:
         return 0
     engine = json.loads(args.engine)
     tokenizer = load_tokenizer(Path(args.model), engine.get("trust_remote_code", False))
-    generate = VLLMEngine(engine, tokenizer, args.max_new_tokens, args.temperature)
+    generate = VLLMEngine(engine, args.max_new_tokens, args.temperature)
     run_streaming(chats, generate, tokenizer, Path(args.out_dir), args.chunk_size, args.max_turns,
-                  args.max_length, args.seed)
+                  args.max_length, args.seed, thinking=args.thinking)
     return 0
 
 

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import yaml
 
-from .files import atomic_write_bytes, read_json
+from .files import atomic_write_bytes, read_json, read_metrics
 from .layout import RunLayout
 from .params import cpu_flags, cpu_has_native_bf16
 
@@ -100,7 +100,7 @@ def _cores() -> int:
 def load_run(run_dir) -> dict:
     """{name, metrics, params, history} of a run folder; missing files read as empty."""
     L = RunLayout(run_dir)
-    metrics = read_json(L.metrics) if L.metrics.is_file() else {}
+    metrics = read_metrics(L.metrics)
     params = yaml.safe_load(L.params.read_text()) if L.params.is_file() else {}
     history = read_json(L.history) if L.history.is_file() else []
     return {"name": L.root.name, "metrics": metrics, "params": params or {}, "history": history}

@@ -10,10 +10,16 @@ bars as text lines (progress.py; the kernel's stderr is streamed here), after th
 duration (the capacity plan, or the same stage's wall time in this run folder's last run). After
 every stage, finished or failed, the runner records its wall time in metrics.json (section
 `runner`, with the git commit and the machine) and rewrites outputs/<run>/index.html (report.py).
+
+`run_smoke` (`eagle3 run --smoke`) runs the same stages on the profile's smoke slice (smoke.py) in
+outputs/<run_name>-smoke/, training in two legs (the second resumes the first's checkpoint), and
+writes metrics.json's `smoke` section: each stage's wall time beside the capacity plan's figure for
+the slice and for the full run.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import sys
 import time
@@ -22,13 +28,14 @@ from pathlib import Path
 from typing import Optional
 
 from .chats import check_sources
-from .files import atomic_write_bytes, is_strictly_inside, read_json, run_lock, update_metrics
+from .files import atomic_write_bytes, is_strictly_inside, read_metrics, remove_tree, run_lock, update_metrics
 from .layout import RunLayout
 from .params import Params, ParamsError, check_run_name, dump, load_params, repo_root, resolve_path
-from .plan import capacity_plan, measured_stats
+from .plan import capacity_plan, measured_stats, refuse_full_run
 from .progress import INTERVAL_ENV, PROGRESS_ENV
 from .regenerate import resolve_backend as resolve_regen_backend
 from .report import OPTIONAL_NOTEBOOKS, git_commit, machine_info, write_index
+from .smoke import branches, changed_fields, checkpoint_format, smoke_params
 
 # Stage name -> notebook file (execution order).
 STAGES = {
@@ -48,6 +55,10 @@ class NotebookFailed(RuntimeError):
     """A notebook raised; the message names the notebook and the cell."""
 
 
+class RunInterrupted(RuntimeError):
+    """Ctrl-C during a stage: its time, the index page and a mark in the executed copy are written."""
+
+
 @dataclass
 class StageResult:
     stage: str
@@ -58,9 +69,11 @@ class StageResult:
 
 def select_stages(only: Optional[str]) -> list:
     """--only's stages in pipeline order; without --only every stage but OPTIONAL_STAGES."""
-    if not only:
+    if only is None:
         return [s for s in STAGES if s not in OPTIONAL_STAGES]
     wanted = [s.strip() for s in only.split(",") if s.strip()]
+    if not wanted:
+        raise ParamsError(f"--only {only!r} names no stage; give one or more of: {', '.join(STAGES)}")
     unknown = [s for s in wanted if s not in STAGES]
     if unknown:
         raise ParamsError(f"--only: unknown stage(s) {unknown}; known: {', '.join(STAGES)}")
@@ -99,17 +112,25 @@ def run_pipeline(params_path: str, only: Optional[str] = None, run_name: Optiona
     stages = select_stages(only)
     params_file = str(resolve_path(params_path).resolve())
     notebooks_dir = Path(notebooks_dir or repo_root() / "notebooks")
-    layout = p.layout(run_name)
-    if not is_strictly_inside(layout.root, p.outputs_root()):     # guaranteed by check_run_name
-        raise ParamsError(f"run_name: {layout.root} resolves outside {p.outputs_root()} (a symlink?); "
-                          "use another run name or remove the link")
-    check_sources(p.data.source)                  # a missing data source: refused before any stage
+    layout = checked_layout(p, run_name)
+    refuse_full_run(p, layout, log)               # disk, host memory, warmup, thinking cut: before any stage
     with run_lock(layout.root, log=log):
         record_run(p, layout, params_file)
         expected = expected_seconds(p, layout)
         return [_run_stage(stage, layout, notebooks_dir,
                            {"params_path": params_file, "run_name": run_name}, html, log, expected.get(stage))
                 for stage in stages]
+
+
+def checked_layout(p: Params, run_name: str) -> RunLayout:
+    """The run's folder, refused when it resolves outside outputs/ or a data source is missing
+    (before any stage starts)."""
+    layout = p.layout(run_name)
+    if not is_strictly_inside(layout.root, p.outputs_root()):     # guaranteed by check_run_name
+        raise ParamsError(f"run_name: {layout.root} resolves outside {p.outputs_root()} (a symlink?); "
+                          "use another run name or remove the link")
+    check_sources(p.data.source)                  # a missing data source: refused before any stage
+    return layout
 
 
 def record_run(p: Params, layout: RunLayout, params_file: str) -> None:
@@ -129,18 +150,46 @@ def startup_seconds(starts_vllm: bool) -> float:
     return KERNEL_START_S + (VLLM_START_S if starts_vllm else 0.0)
 
 
-def expected_seconds(p: Params, layout: RunLayout) -> dict:
-    """{stage: (seconds, basis)}: this run folder's last wall time of the stage, else the capacity
-    plan's hours for regeneration (data), extraction and training; stages with neither are absent."""
-    plan = capacity_plan(p, measured_stats(layout), memory=False, layout=layout)   # hours only: no meta-device run
+# The capacity plan's figure (hours) of the stages whose time it plans.
+PLAN_STAGE_HOURS = {"data": "regen_hours", "extract": "extract_hours", "train": "train_hours"}
+
+
+def planned_seconds(p: Params, plan: dict) -> dict:
+    """{stage: (seconds, basis)} of the capacity plan `plan` of profile `p`: its per-stage time model
+    (plan["stages"]: every part, start-ups included) where it has one, else its hours of
+    regeneration (data), extraction and training plus each stage's start-up."""
+    if plan.get("stages"):
+        out = {stage: (st["seconds"], "capacity plan: " + _parts_basis(st.get("parts", [])))
+               for stage, st in plan["stages"].items()}
+    else:
+        out = _throughput_seconds(p, plan)
+    if p.train.time_budget_minutes is not None and "train" in out:
+        out["train"] = (min(out["train"][0], 60 * p.train.time_budget_minutes), "train.time_budget_minutes")
+    return out
+
+
+def _parts_basis(parts: list) -> str:
+    """"measured", "assumed" or "measured + assumed" for a stage's parts (each basis starts with one)."""
+    kinds = {part["basis"].split()[0] for part in parts if part.get("basis")}
+    return " + ".join(k for k in ("measured", "assumed") if k in kinds) or "no parts"
+
+
+def _throughput_seconds(p: Params, plan: dict) -> dict:
+    """The plan's hours of the stages in PLAN_STAGE_HOURS plus each stage's start-up."""
     vllm_starts = {"data": p.data.regenerate and resolve_regen_backend(p) == "vllm",
                    "extract": p.extract.backend == "vllm", "train": False}
     out = {stage: (plan[key] * 3600 + startup_seconds(vllm_starts[stage]),
                    f"capacity plan, throughput {plan['throughput_basis']}, plus start-up")
-           for stage, key in (("data", "regen_hours"), ("extract", "extract_hours"), ("train", "train_hours"))}
-    if p.train.time_budget_minutes is not None:
-        out["train"] = (min(out["train"][0], 60 * p.train.time_budget_minutes), "train.time_budget_minutes")
-    last = read_json(layout.metrics).get("runner", {}).get("stage_seconds", {}) if layout.metrics.is_file() else {}
+           for stage, key in PLAN_STAGE_HOURS.items()}
+    return out
+
+
+def expected_seconds(p: Params, layout: RunLayout) -> dict:
+    """{stage: (seconds, basis)}: this run folder's last wall time of the stage, else the capacity
+    plan's hours for regeneration (data), extraction and training; stages with neither are absent."""
+    plan = capacity_plan(p, measured_stats(layout), memory=False, layout=layout)   # hours only: no meta-device run
+    out = planned_seconds(p, plan)
+    last = read_metrics(layout.metrics).get("runner", {}).get("stage_seconds", {})
     out.update({stage: (s, "this run folder's last run") for stage, s in last.items()})
     return out
 
@@ -165,26 +214,42 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
+def mark_interrupted(notebook: Path, seconds: float) -> None:
+    """Put a first cell into an executed copy saying it stopped part-way (Ctrl-C), so it does not
+    read as a finished run."""
+    import nbformat
+    try:
+        nb = nbformat.read(str(notebook), as_version=4)
+    except (OSError, ValueError):                 # killed while papermill wrote it: nothing to mark
+        return
+    nb.cells.insert(0, nbformat.v4.new_markdown_cell(
+        f"**Interrupted (Ctrl-C) after {_duration(seconds)}: this executed copy is incomplete.**"))
+    atomic_write_bytes(notebook, nbformat.writes(nb).encode())
+
+
 def _finish_stage(layout: RunLayout, stage: str, seconds: float, log) -> None:
     """Record the stage's wall time and rewrite the run's index page (also after a failure)."""
-    metrics = read_json(layout.metrics) if layout.metrics.is_file() else {}
+    metrics = read_metrics(layout.metrics)
     times = {**metrics.get("runner", {}).get("stage_seconds", {}), stage: round(seconds, 1)}
     update_metrics(layout.root, "runner", {"stage_seconds": times})
     log(f"[eagle3] report: {write_index(layout.root)}")
 
 
 def _run_stage(stage: str, layout: RunLayout, notebooks_dir: Path, parameters: dict, html: bool,
-               log, expected: Optional[tuple] = None) -> StageResult:
-    """Execute one notebook into the run folder (with an HTML export); NotebookFailed names the cell."""
+               log, expected: Optional[tuple] = None, label: Optional[str] = None) -> StageResult:
+    """Execute one notebook into the run folder (with an HTML export); NotebookFailed names the cell.
+    label: the name of this execution (its executed copy and its wall time; default: the stage)."""
     import papermill as pm                          # heavy (jupyter); `eagle3 params/plan` stay light
     from papermill.exceptions import PapermillExecutionError
 
+    label = label or stage
     src = notebooks_dir / STAGES[stage]
     if not src.is_file():
         raise FileNotFoundError(f"notebook for stage {stage!r} not found: {src}")
-    dst = layout.notebook(Path(STAGES[stage]).stem)
+    stem = Path(STAGES[stage]).stem
+    dst = layout.notebook(stem if label == stage else f"{stem}-{label}")
     eta = f" (expected ~{_duration(expected[0])}: {expected[1]})" if expected else ""
-    log(f"[eagle3] {stage}: {src.name} -> {dst}{eta}")
+    log(f"[eagle3] {label}: {src.name} -> {dst}{eta}")
     t0 = time.time()
     try:
         with _streaming_kernel_progress():
@@ -194,11 +259,165 @@ def _run_stage(stage: str, layout: RunLayout, notebooks_dir: Path, parameters: d
     except PapermillExecutionError as e:
         if html and dst.is_file():
             export_html(dst)
-        _finish_stage(layout, stage, time.time() - t0, log)
+        _finish_stage(layout, label, time.time() - t0, log)
         raise NotebookFailed(f"notebook {src.name} failed at {_failed_cell(e)} "
                              f"(executed copy: {dst})") from None
+    except KeyboardInterrupt:                       # Ctrl-C: leave the same trace as a failed cell
+        seconds = time.time() - t0
+        if dst.is_file():
+            mark_interrupted(dst, seconds)
+            if html:
+                export_html(dst)
+        update_metrics(layout.root, "runner", {"interrupted": {"stage": label, "after_seconds": round(seconds, 1),
+                                                               "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}})
+        _finish_stage(layout, label, seconds, log)
+        raise RunInterrupted(f"interrupted (Ctrl-C) in stage {label} after {_duration(seconds)}; the executed copy "
+                             f"{dst} is incomplete. Rerun the same command to go on: finished stages and "
+                             f"checkpoints are kept") from None
     out_html = export_html(dst) if html else None
-    result = StageResult(stage, dst, out_html, time.time() - t0)
-    log(f"[eagle3] {stage}: done in {result.seconds:.0f} s")
-    _finish_stage(layout, stage, result.seconds, log)
+    result = StageResult(label, dst, out_html, time.time() - t0)
+    log(f"[eagle3] {label}: done in {result.seconds:.0f} s")
+    _finish_stage(layout, label, result.seconds, log)
     return result
+
+
+# ==== the smoke run ===========================================================================
+RESUME_LEG = "train-resume"       # the second training leg's label (executed copy, stage time)
+
+
+def run_smoke(params_path: str, only: Optional[str] = None, run_name: Optional[str] = None,
+              notebooks_dir: Optional[Path] = None, html: bool = True, log=print) -> tuple[list, dict]:
+    """Run the selected stages on the smoke slice of the profile (smoke.smoke_params) in
+    outputs/<run_name>-smoke/ (or `run_name`), training in two legs (resume_leg).
+    -> (StageResults, metrics.json's `smoke` section, which is written also when a stage fails)."""
+    full: Params = load_params(params_path)
+    if run_name is not None:
+        check_run_name(run_name, "--run-name")
+    p = smoke_params(full, run_name)
+    stages = select_stages(only)
+    notebooks_dir = Path(notebooks_dir or repo_root() / "notebooks")
+    layout = checked_layout(p, p.run_name)
+    # a smoke run that passes says nothing when the full run cannot finish: refused the same way
+    warnings = refuse_full_run(full, full.layout(), log)
+    results, resumed, finished = [], None, False
+    with run_lock(layout.root, log=log):
+        record_run(p, layout, str(layout.params))   # the notebooks read the smoke profile from params.yaml
+        plan_smoke = capacity_plan(p, measured_stats(layout), memory=False, layout=layout)
+        plan_full = capacity_plan(full, measured_stats(full.layout()), memory=False, layout=full.layout())
+        update_metrics(layout.root, "smoke", {**smoke_header(full, p, str(resolve_path(params_path).resolve())),
+                                              "full_run_warnings": warnings})
+        expected = expected_seconds(p, layout)
+        parameters = {"params_path": str(layout.params), "run_name": p.run_name}
+        try:
+            for stage in stages:
+                if stage == "train":           # leg 1 trains from step 0, also when the smoke run is rerun
+                    remove_tree(layout.checkpoints, under=layout.root)
+                # 04 is told it runs a slice: a few steps are not asked to beat the unigram baseline
+                stage_parameters = {**parameters, "smoke": True} if stage == "train" else parameters
+                results.append(_run_stage(stage, layout, notebooks_dir, stage_parameters, html, log,
+                                          expected.get(stage)))
+                if stage == "train":
+                    leg2, resumed = resume_leg(p, layout, notebooks_dir, stage_parameters, html, log)
+                    results.append(leg2)
+            finished = True
+        finally:
+            update_metrics(layout.root, "smoke", smoke_report(p, full, layout, results, resumed, finished,
+                                                              plan_smoke, plan_full))
+    return results, read_metrics(layout.metrics)["smoke"]
+
+
+def smoke_header(full: Params, smoke: Params, full_params_path: str) -> dict:
+    """What the smoke run is: the full profile, the fields the slice changed, the branches taken."""
+    return {"full_params_path": full_params_path, "full_run_name": full.run_name,
+            "slice": {k: {"full": a, "smoke": b} for k, (a, b) in changed_fields(full, smoke).items()},
+            "branches": branches(smoke), "branches_equal_full_run": branches(smoke) == branches(full),
+            "complete": False}
+
+
+def resume_leg(p: Params, layout: RunLayout, notebooks_dir: Path, parameters: dict, html: bool,
+               log) -> tuple[StageResult, dict]:
+    """Training's second leg: delete leg 1's last checkpoint and run 04 again, which must resume
+    from the half-way checkpoint and end at the same step. -> (its StageResult, {resumed_from_step,
+    steps, checkpoint_format, final_weights_equal: leg 2's final drafter bit-equal to leg 1's})."""
+    from .checkpoints import latest_checkpoint, read_checkpoint_meta   # torch: only for this leg
+
+    last = latest_checkpoint(layout.checkpoints)
+    if last is None:
+        raise RuntimeError(f"smoke: training left no checkpoint in {layout.checkpoints}")
+    steps = read_checkpoint_meta(last)["step"]
+    leg1 = tensor_digests(layout.final / "model.safetensors")
+    remove_tree(last, under=layout.root)
+    start = latest_checkpoint(layout.checkpoints)
+    if start is None:
+        raise RuntimeError(f"smoke: no checkpoint before step {steps} to resume from "
+                           f"(train.checkpoint_every: {p.train.checkpoint_every})")
+    log(f"[eagle3] {RESUME_LEG}: removed {last.name}; 04 resumes from {start.name}")
+    result = _run_stage("train", layout, notebooks_dir, parameters, html, log, label=RESUME_LEG)
+    end = latest_checkpoint(layout.checkpoints)
+    end_meta = read_checkpoint_meta(end) if end is not None else {}
+    if end_meta.get("step") != steps:
+        raise RuntimeError(f"smoke: the resumed leg ended at {end} (step {end_meta.get('step')}), "
+                           f"expected step {steps}")
+    return result, {"resumed_from_step": read_checkpoint_meta(start)["step"], "steps": steps,
+                    "checkpoint_format": "dcp" if end_meta["world_size"] > 1 else "safetensors",
+                    "final_weights_equal": tensor_digests(layout.final / "model.safetensors") == leg1}
+
+
+def tensor_digests(path: Path) -> dict:
+    """{tensor name: sha256 of its bytes} of a safetensors file (its metadata left out)."""
+    import torch                                 # heavy: only for the smoke run's resume check
+    from safetensors import safe_open
+    with safe_open(str(path), framework="pt") as f:
+        return {k: hashlib.sha256(f.get_tensor(k).contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+                for k in f.keys()}
+
+
+def plan_hours(plan: Optional[dict]) -> Optional[dict]:
+    """Every hours figure of a capacity plan ({key: hours}: its keys ending in "_hours")."""
+    if plan is None:
+        return None
+    return {k: v for k, v in plan.items() if k.endswith("_hours") and isinstance(v, (int, float))}
+
+
+def smoke_report(p: Params, full: Params, layout: RunLayout, results: list, resumed: Optional[dict],
+                 finished: bool, plan_smoke: dict, plan_full: dict) -> dict:
+    """metrics.json's `smoke` section: per stage run, its measured seconds beside the plan's seconds
+    for the smoke slice and for the full run, and the full run's plan at the rates this smoke run
+    measured (plan.measured_rates reads them from the smoke folder: small batches, so a pessimistic
+    figure on a GPU box)."""
+    metrics = read_metrics(layout.metrics)
+    measured = metrics.get("runner", {}).get("stage_seconds", {})
+    plan_rates = capacity_plan(full, None, memory=False, layout=layout) if finished else None
+    planned = {"smoke": planned_seconds(p, plan_smoke), "full": planned_seconds(full, plan_full),
+               "rates": planned_seconds(full, plan_rates) if plan_rates else {}}
+    ran = [r.stage for r in results]
+    failed = [s for s in measured if s not in ran]          # a stage that raised still has its time
+    rows = []
+    for label in ran + failed:
+        row = {"stage": label, "seconds": measured.get(label), "planned_smoke_s": None, "planned_full_s": None,
+               "planned_full_at_smoke_rates_s": None, "basis": None}
+        if label in planned["smoke"] and label in planned["full"]:
+            row.update(planned_smoke_s=round(planned["smoke"][label][0], 1),
+                       planned_full_s=round(planned["full"][label][0], 1), basis=planned["full"][label][1])
+            if label in planned["rates"]:
+                row["planned_full_at_smoke_rates_s"] = round(planned["rates"][label][0], 1)
+        rows.append(row)
+    return {"stages": rows, "complete": finished, "failed_stage": None if finished else (failed or [None])[0],
+            "resume": resumed, "plan_smoke_hours": plan_hours(plan_smoke), "plan_full_hours": plan_hours(plan_full),
+            "plan_full_at_smoke_rates_hours": plan_hours(plan_rates)}
+
+
+def format_smoke(report: dict) -> str:
+    """The smoke report as text for the terminal: the stage table, the resume check, the branches."""
+    def cell(seconds):
+        return "-" if seconds is None else _duration(seconds)
+    lines = [f"{'stage':<13} {'measured':>9} {'plan (smoke)':>13} {'plan (full run)':>16} {'full at smoke rates':>20}"]
+    for r in report["stages"]:
+        lines.append(f"{r['stage']:<13} {cell(r['seconds']):>9} {cell(r['planned_smoke_s']):>13} "
+                     f"{cell(r['planned_full_s']):>16} {cell(r['planned_full_at_smoke_rates_s']):>20}")
+    res = report.get("resume")
+    if res:
+        lines.append(f"resume: {res['checkpoint_format']} checkpoint of step {res['resumed_from_step']} -> step "
+                     f"{res['steps']}; final drafter bit-equal to the uninterrupted leg's: {res['final_weights_equal']}")
+    lines.append(f"branches equal to the full run's (smoke.branches): {report.get('branches_equal_full_run')}")
+    return "\n".join(lines)

@@ -4,7 +4,8 @@
 chats (train.max_sequences = N: the first N of a seeded permutation, so the 500-chat subset lies
 inside the 1,000-chat one), each for `scaling.epochs` epochs with the profile's other train settings
 (train.max_steps and the time budget off: matched epochs, so a point's step count grows with N and
-its cosine schedule spans its own steps). Every point is scored on the same held-out cache
+its cosine schedule spans its own steps; its warmup is the same share of its own steps as the main
+run's, so every point leaves warmup). Every point is scored on the same held-out cache
 (`acceptance_replayed`: chain decoding at k = train.ttt_steps replayed on each held-out answer,
 objective.evaluate) and, with scaling.vllm, in one vLLM subprocess (one engine per point, plus
 plain decoding for the speed ratio) on the held-out prompts 05_eval uses.
@@ -33,19 +34,41 @@ import pandas as pd
 from . import evaluate as ev
 from .export import export_vllm
 from .layout import RunLayout
-from .params import Params
+from .cache import HiddenCache
+from .params import MAX_WARMUP_FRACTION, Params, TrainParams
 from .progress import relay
 from .target import load_tokenizer, target_path
-from .train import train
+from .train import schedule, train
 from .vllm_bench import mode
 
 
-def point_params(P: Params, n: int, **train_changes) -> Params:
+def point_warmup_fraction(t: TrainParams, main_steps: Optional[int] = None) -> float:
+    """A point's warmup as a share of its own planned steps: train.warmup_fraction, else the main
+    run's share (warmup_steps over its planned steps: max_steps, else main_steps), at most
+    MAX_WARMUP_FRACTION."""
+    if t.warmup_fraction is not None:
+        return t.warmup_fraction
+    planned = t.max_steps or main_steps
+    if planned is None:
+        raise ValueError("a scaling point's warmup needs the main run's planned steps (train.max_steps, or "
+                         "main_steps from the run's cache: main_run_steps), or set train.warmup_fraction")
+    return min(MAX_WARMUP_FRACTION, t.warmup_steps / planned)
+
+
+def main_run_steps(P: Params, L: RunLayout) -> int:
+    """The main run's planned optimizer steps (train.schedule on the run's training cache, its ranks)."""
+    world = P.train.nproc if P.train.distributed != "none" else 1
+    return schedule(HiddenCache(L.hidden("train")), P.train, P.seed, world)[3]
+
+
+def point_params(P: Params, n: int, main_steps: Optional[int] = None, **train_changes) -> Params:
     """The profile of the point with n training chats: train.max_sequences n, scaling.epochs
-    epochs, no max_steps, no time budget (a point always finishes its epochs); train_changes
-    (e.g. loss="lk_hybrid") make a variant of the recipe."""
+    epochs, no max_steps, no time budget (a point always finishes its epochs), the main run's warmup
+    share (point_warmup_fraction; main_steps: main_run_steps, needed without max_steps and
+    warmup_fraction); train_changes (e.g. loss="lk_hybrid") make a variant of the recipe."""
     t = dataclasses.replace(P.train, max_sequences=n, epochs=P.scaling.epochs, max_steps=None,
-                            time_budget_minutes=None, **train_changes)
+                            time_budget_minutes=None, warmup_fraction=point_warmup_fraction(P.train, main_steps),
+                            **train_changes)
     return dataclasses.replace(P, train=t)
 
 
@@ -70,7 +93,8 @@ def train_point(P: Params, L: RunLayout, n: int, progress: bool = True, variant:
     if bool(variant) != bool(train_changes):
         raise ValueError("a variant needs both a name and its train changes (and the study's points neither)")
     point = point_layout(L, n, variant)
-    summary = train(point_params(P, n, **train_changes), point.root, progress=progress)
+    main_steps = None if P.train.max_steps or P.train.warmup_fraction is not None else main_run_steps(P, L)
+    summary = train(point_params(P, n, main_steps, **train_changes), point.root, progress=progress)
     ev = summary["eval"] or {}
     return {"chats": n, "steps": summary["steps"], "epochs": round(summary["epochs_done"], 3),
             "train_sequences": summary["train_sequences"],

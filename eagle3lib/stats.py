@@ -8,7 +8,7 @@ Written by `data.prepare_data` (`DataStats.to_json`), last, as the stage's compl
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Optional
 
 from .files import read_json
@@ -50,11 +50,13 @@ class RegenStats:
     dir: str
     train_regenerated: int
     train_original_answers: int
+    cut_inconsistent: int = 0         # chats ended before a turn whose prompt did not extend the sequence
 
     @classmethod
     def from_json(cls, d: dict) -> "RegenStats":
         speed = d["tokens_per_s_this_run"]
-        return cls(**{f.name: int(d[f.name]) for f in fields(cls) if f.type == "int"},
+        return cls(**{f.name: int(d[f.name]) for f in fields(cls)
+                      if f.type == "int" and (f.name in d or f.default is MISSING)},
                    backend=str(d["backend"]), dir=str(d["dir"]),
                    seconds_this_run=float(d["seconds_this_run"]),
                    tokens_per_s_this_run=None if speed is None else float(speed))

@@ -56,13 +56,15 @@ from .cache import MANIFEST, HiddenCache, check_cache
 from .checkpoints import (last_good_checkpoint, latest_checkpoint, load_checkpoint, read_checkpoint_meta,
                           save_checkpoint, save_final)
 from .dist import Dist
-from .files import atomic_write_json, read_json, remove_tree, run_lock
+from .files import atomic_write_json, check_run_links, read_json, remove_tree, run_lock
+from .fingerprint import target_fingerprint
 from .layout import RunLayout
 from .memory import check_fits
 from .model import Eagle3Config, Eagle3Drafter
 from .muon import Muon
 from .objective import Scoring, TTTObjective, add_feature_noise, build_scoring, evaluate, prepare_batch
-from .params import Params, TrainParams, load_params
+from .params import (Params, TrainParams, checkpoint_interval, load_params, max_warmup_steps, planned_warmup,
+                     warmup_problem)
 from .progress import tqdm
 from .target import load_target_layer, load_target_tensors, target_path
 from .vocab import load_vocab
@@ -183,10 +185,12 @@ def no_sync(model: nn.Module, last: bool):
 
 # ==== what a resumption must match ==============================================================
 # Train fields that may change between a run and its resumption (they do not change the math).
-RESUMABLE_CHANGES = {"resume", "time_budget_minutes", "checkpoint_every", "eval_sequences", "tracking",
+RESUMABLE_CHANGES = {"resume", "time_budget_minutes", "checkpoint_every", "checkpoint_fraction",
+                     "checkpoint_minutes", "eval_sequences", "tracking",
                      "compile", "max_steps", "epochs", "nproc", "distributed", "num_workers",
                      "diverge_steps", "diverge_uniform_rtol", "diverge_loss_rise", "diverge_grad_norm",
-                     "attention", "activation_checkpointing"}     # same function, other cost
+                     "attention", "activation_checkpointing",     # same function, other cost
+                     "pg_timeout_minutes", "verify_cache", "verify_sample"}
 
 
 def training_identity(P: Params, cache_fingerprint: Optional[str] = None) -> str:
@@ -381,7 +385,7 @@ class TrainRun:
 
     def set_lr(self, step: int) -> float:
         t = self.P.train
-        lr = t.lr * lr_factor(step, t.warmup_steps, self.total_steps, t.min_lr_ratio)
+        lr = t.lr * lr_factor(step, planned_warmup(t, self.total_steps), self.total_steps, t.min_lr_ratio)
         for o in self.optimizers:
             for g in o.param_groups:
                 g["lr"] = lr
@@ -416,16 +420,21 @@ def schedule(cache: HiddenCache, t: TrainParams, seed: int, world: int) -> tuple
     if steps_per_epoch == 0:
         raise ValueError(f"{len(usable)} usable training sequences make fewer micro-batches than one "
                          f"optimizer step needs ({per_step} = ranks x grad_accum); lower train.batch_tokens")
-    return usable, per_step, steps_per_epoch, t.max_steps or max(1, math.ceil(t.epochs * steps_per_epoch))
+    total = t.max_steps or max(1, math.ceil(t.epochs * steps_per_epoch))
+    warmup = planned_warmup(t, total)
+    if warmup > max_warmup_steps(total):
+        raise ValueError(f"train.warmup_steps: {warmup_problem(warmup, total, 'train.epochs of this cache')}")
+    return usable, per_step, steps_per_epoch, total
 
 
 def setup(P: Params, layout: RunLayout, dist: Dist, device: torch.device) -> TrainRun:
     """Data, drafter, scoring, optimizers and schedule; resumes from the newest checkpoint when
     train.resume is on; the held-out batches of hidden/eval (none when that cache is missing)."""
     t = P.train
-    # the caches must be this run's (params hash) and intact (every shard's sha256, read on rank 0)
-    cache = check_cache(P, layout, "train", verify=dist.rank == 0)
-    eval_cache = check_cache(P, layout, "eval", verify=dist.rank == 0) \
+    # the caches must be this run's (params hash) and intact (train.verify_cache, hashed once per
+    # cache, the ranks sharing the hashing)
+    cache = check_cache(P, layout, "train", dist)
+    eval_cache = check_cache(P, layout, "eval", dist) \
         if (layout.hidden("eval") / MANIFEST).is_file() else None
     d2t, t2d = load_vocab(layout.vocab)
     scale = aux_scale(cache) if t.fc_input_scaling else None                # [3, H] or None
@@ -443,9 +452,18 @@ def setup(P: Params, layout: RunLayout, dist: Dist, device: torch.device) -> Tra
                    model, optimizers, steps_per_epoch, per_step, total_steps,
                    training_identity(P, fingerprint), fingerprint)
     resume(run)
-    if eval_cache is not None:
-        run.eval_batches = scoring.heldout(eval_cache, t.eval_sequences, t.batch_tokens, device)
+    if eval_cache is not None:       # each rank prepares its share of the held-out set (heldout_batches)
+        run.eval_batches = scoring.heldout(eval_cache, t.eval_sequences, t.batch_tokens, device,
+                                           dist.rank, dist.world)
     return run
+
+
+def heldout_eval(run: TrainRun) -> dict:
+    """The held-out metrics of the current weights: every rank scores its share of the held-out
+    set, the sums are reduced over ranks (the same numbers as one process scoring all of it)."""
+    def sum_over_ranks(x: torch.Tensor) -> torch.Tensor:
+        return run.dist.all_sum(x.to(run.device)).cpu()              # NCCL reduces on the GPU
+    return evaluate(run.model, run.eval_batches, run.P.train.ttt_steps, run.scoring.amp, reduce=sum_over_ranks)
 
 
 def resume(run: TrainRun) -> None:
@@ -557,13 +575,15 @@ def report(run: TrainRun, record: dict, bar, tracker, callback: Optional[Callabl
 
 def loop(run: TrainRun, progress: bool, callback: Optional[Callable]) -> tuple[str, float, float]:
     """Optimizer steps until total_steps or the time budget; a checkpoint (and a held-out
-    evaluation) every checkpoint_every steps and at the end. -> (stopped_by, tokens, seconds)."""
+    evaluation) every checkpoint_interval steps, after checkpoint_minutes, and at the end.
+    -> (stopped_by, tokens, seconds)."""
     t, dist = run.P.train, run.dist
     rank0 = dist.rank == 0
     tracker = open_tracker(run)
     guard = DivergenceGuard(t, run.config.draft_vocab_size)
     bar = tqdm(total=run.total_steps, initial=run.step, desc="train", disable=not (progress and rank0))
     t0, tokens_seen, stopped_by = time.time(), 0.0, "steps"
+    every, last_saved = checkpoint_interval(t, run.total_steps), time.time()
     batches = iter(loader(run))
     run.model.train()
     while run.step < run.total_steps:
@@ -573,12 +593,15 @@ def loop(run: TrainRun, progress: bool, callback: Optional[Callable]) -> tuple[s
         stop_if_diverged(run, guard, record)
         out_of_time = t.time_budget_minutes is not None and time.time() - t0 > 60 * t.time_budget_minutes
         out_of_time = dist.broadcast_flag(out_of_time)
-        due = run.step % t.checkpoint_every == 0 or run.step == run.total_steps or out_of_time
+        by_clock = t.checkpoint_minutes is not None and \
+            dist.broadcast_flag(time.time() - last_saved > 60 * t.checkpoint_minutes)
+        due = run.step % every == 0 or run.step == run.total_steps or out_of_time or by_clock
         if run.eval_batches and due:
-            record["eval"] = evaluate(run.model, run.eval_batches, t.ttt_steps, run.scoring.amp)
+            record["eval"] = heldout_eval(run)
         run.history.append(record)
         if due:
             save_checkpoint(run.layout.checkpoints, run.step, run.model, run.optimizers, run.meta(), dist)
+            last_saved = time.time()
         if rank0:
             report(run, record, bar, tracker, callback)
         if out_of_time and run.step < run.total_steps:
@@ -605,6 +628,7 @@ def finish(run: TrainRun, stopped_by: str, tokens_seen: float, seconds: float) -
                "tokens_per_s_this_run": tokens_seen / max(1e-9, seconds),
                "checkpoint": str(latest_checkpoint(L.checkpoints)), "final_dir": str(L.final)}
     if run.dist.rank == 0:
+        summary["target"] = target_fingerprint(target_path(run.P))   # checked by export and eval
         # final/ computes fc(aux) on raw aux (the full state exists on rank 0 only)
         save_final(L.final, fold_aux_scale(drafter_state, run.scoring.scale), run.config, summary)
         atomic_write_json(L.summary, summary)
@@ -622,7 +646,8 @@ def train(P: Params, run_dir, progress: bool = True, callback: Optional[Callable
     divergence guard trips (DivergenceGuard); ParamsError before any work when the profile states
     train.gpu_memory_gb and the memory model says a step does not fit (memory.check_fits)."""
     check_fits(P)
-    dist = Dist()
+    check_run_links(run_dir)       # no write or delete may go through a link out of the run
+    dist = Dist(timeout_minutes=P.train.pg_timeout_minutes)
     try:
         if dist.world > 1 and P.train.distributed == "none":
             raise RuntimeError("launched under torchrun with several processes but train.distributed is none; "

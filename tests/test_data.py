@@ -241,7 +241,7 @@ def test_truncation_keeps_a_prefix(tok):
     full = D.tokenize_chat(tok, CHAT, max_length=4096)
     n = full["num_tokens"]
     cut = D.tokenize_chat(tok, CHAT, max_length=n - 5)
-    assert cut["truncated"] and cut["num_tokens"] == n
+    assert cut["truncated"] and cut["num_tokens"] == n - 5 + 1      # counted up to max_length + 1
     assert cut["input_ids"] == full["input_ids"][: n - 5]
     assert cut["loss_mask"] == full["loss_mask"][: n - 5]
     # Truncated before the first answer: nothing to train, the chat is dropped and counted.
@@ -311,13 +311,15 @@ def greedy_reference(model_dir, messages, max_new_tokens):
 
 
 def check_against_reference(model_dir, convs, max_new_tokens):
+    """HFGenerator's ids for the rendered prompts equal unbatched greedy decoding's, with the end
+    token kept when it stopped."""
+    from eagle3lib.chat_template import prompt_ids
     from eagle3lib.regenerate import HFGenerator
     gen = HFGenerator(model_dir, "float32", max_new_tokens=max_new_tokens, temperature=0.0)
-    outputs = gen(convs, list(range(len(convs))))
-    for conv, (text, n_new, capped) in zip(convs, outputs):
+    outputs = gen([prompt_ids(gen.tokenizer, c) for c in convs], list(range(len(convs))))
+    for conv, (ids, capped) in zip(convs, outputs):
         ref_ids, hit_eos = greedy_reference(model_dir, conv, max_new_tokens)
-        assert n_new == len(ref_ids) and capped == (not hit_eos)
-        assert text == gen.tokenizer.decode(ref_ids, skip_special_tokens=True)
+        assert ids == ref_ids + ([gen.tokenizer.eos_token_id] if hit_eos else []) and capped == (not hit_eos)
     return outputs
 
 
@@ -326,25 +328,40 @@ def test_hf_generator_matches_unbatched_greedy(varied_tiny_dir):
     convs = [c["messages"][:[m["role"] for m in c["messages"]].index("assistant")] for c in REGEN_CHATS]
     convs[2] = [{"role": "user", "content": "A much longer prompt, so that the others are padded " * 3}]
     outputs = check_against_reference(varied_tiny_dir, convs, 6)
-    assert len({text for text, _, _ in outputs}) == 3 and all(capped for _, _, capped in outputs)
+    assert len({tuple(ids) for ids, _ in outputs}) == 3 and all(capped for _, capped in outputs)
 
 
 def test_hf_generator_stops_at_end_of_turn(smollm2_dir):
-    """On the real target a short answer ends with <|im_end|>: not capped, end token not in text."""
+    """On the real target a short answer ends with <|im_end|>: not capped, the end token is the
+    last generated id and nowhere before it."""
     convs = [[{"role": "user", "content": "Reply with only the word: yes"}],
              [{"role": "user", "content": "What is the capital of France? One word."}]]
+    from eagle3lib.target import load_tokenizer
     outputs = check_against_reference(smollm2_dir, convs, 12)
-    assert any(not capped and text.strip() for text, _, capped in outputs)
-    assert all(END not in text for text, _, _ in outputs)
+    end = load_tokenizer(smollm2_dir).eos_token_id
+    stopped = [ids for ids, capped in outputs if not capped]
+    assert stopped and all(ids[-1] == end and end not in ids[:-1] and len(ids) > 1 for ids in stopped)
 
 
-def scripted(replies):
-    """A fake backend: answers from a script keyed by the last user message."""
+def reply_ids(tok, text, capped):
+    """What an engine returns for `text`: its ids, then the end-of-turn token unless capped."""
+    return tok(text, add_special_tokens=False)["input_ids"] + ([] if capped else [tok.eos_token_id]), capped
+
+
+def last_user(tok, prompt, replies):
+    """The reply key that occurs last in the decoded prompt (the user turn being answered)."""
+    text = tok.decode(prompt)
+    return max(replies, key=text.rfind)
+
+
+def scripted(tok, replies):
+    """A fake backend: answers from a script keyed by the last user message of the prompt ids."""
     calls = []
 
-    def generate(conversations, seeds):
-        calls.append([c[-1]["content"] for c in conversations])
-        return [replies[c[-1]["content"]] for c in conversations]
+    def generate(prompts, seeds):
+        users = [last_user(tok, p, replies) for p in prompts]
+        calls.append(users)
+        return [reply_ids(tok, *replies[u]) for u in users]
     return generate, calls
 
 
@@ -359,18 +376,20 @@ TURN_RULE_CHATS = [
                                   {"role": "user", "content": "f2"}, {"role": "assistant", "content": "y"}]},
     {"id": "long", "messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "x"}]},
 ]
-TURN_RULE_REPLIES = {"u1": ("A1", 2, False), "u2": ("A2", 2, False), "c1": ("cut off", 9, True),
-                     "e1": ("  \n", 1, False), "f1": ("F1", 1, False), "f2": ("", 0, False)}
+TURN_RULE_REPLIES = {"u1": ("A1", False), "u2": ("A2", False), "c1": ("cut off", True),
+                     "e1": ("  \n", False), "f1": ("F1", False), "f2": ("", False)}
 
 
 def test_regenerate_batch_turn_rules(tok):
-    generate, calls = scripted(TURN_RULE_REPLIES)
+    generate, calls = scripted(tok, TURN_RULE_REPLIES)
     results = {r["id"]: r for r in D_regen.regenerate_batch(TURN_RULE_CHATS, generate, tok, max_turns=2,
                                                             max_length=64)}
     assert calls == [["u1", "c1", "e1", "f1"], ["u2", "f2"]]   # one backend call per turn
     assert results["two"]["messages"] == [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "A1"},
                                           {"role": "user", "content": "u2"}, {"role": "assistant", "content": "A2"}]
-    assert results["two"]["turns"] == 2 and results["two"]["new_tokens"] == 4 and not results["two"]["capped"]
+    n_tokens = {k: len(tok(v[0], add_special_tokens=False)["input_ids"]) for k, v in TURN_RULE_REPLIES.items()}
+    assert results["two"]["turns"] == 2 and not results["two"]["capped"]
+    assert results["two"]["new_tokens"] == n_tokens["u1"] + n_tokens["u2"]   # end tokens not counted
     assert results["capped"]["messages"][-1] == {"role": "assistant", "content": "cut off", "capped": True}
     assert len(results["capped"]["messages"]) == 2 and results["capped"]["capped"]
     assert results["empty1"]["status"] == "empty" and results["empty1"]["messages"] == []
@@ -383,29 +402,30 @@ class FakeStreamingEngine:
     """A continuously batching engine: requests finish one per poll, newest first (so chats finish
     out of order), answers scripted by the last user message; records the most requests in flight."""
 
-    def __init__(self, replies):
-        self.replies, self.inflight, self.most_inflight, self.seeds = replies, [], 0, {}
+    def __init__(self, tok, replies):
+        self.tok, self.replies, self.inflight, self.most_inflight, self.seeds = tok, replies, [], 0, {}
 
-    def submit(self, request_id, conversation, seed):
-        self.inflight.append((request_id, conversation[-1]["content"]))
+    def submit(self, request_id, prompt, seed):
+        user = last_user(self.tok, prompt, self.replies)
+        self.inflight.append((request_id, user))
         self.most_inflight = max(self.most_inflight, len(self.inflight))
-        self.seeds[conversation[-1]["content"]] = seed
+        self.seeds[user] = seed
 
     def busy(self):
         return bool(self.inflight)
 
     def poll(self):
-        request_id, last_user = self.inflight.pop()
-        return [(request_id, self.replies[last_user])]
+        request_id, user = self.inflight.pop()
+        return [(request_id, reply_ids(self.tok, *self.replies[user]))]
 
 
 def test_streaming_regeneration_equals_the_batched_turn_loop(tok, tmp_path):
     """run_streaming (the vLLM path): every chat's first turn in flight at once, chunk files written as
     chats finish, and the same results and per-turn seeds as regenerate_batch."""
-    generate, _ = scripted(TURN_RULE_REPLIES)
+    generate, _ = scripted(tok, TURN_RULE_REPLIES)
     batched = {r["id"]: r for r in D_regen.regenerate_batch(TURN_RULE_CHATS, generate, tok, max_turns=2,
                                                             max_length=64, seed=3)}
-    engine = FakeStreamingEngine(TURN_RULE_REPLIES)
+    engine = FakeStreamingEngine(tok, TURN_RULE_REPLIES)
     run = D_regen.run_streaming(TURN_RULE_CHATS, engine, tok, tmp_path, chunk_size=2, max_turns=2,
                                 max_length=64, seed=3, log=lambda line: None)
     assert engine.most_inflight == 4             # all first turns submitted at once ("long" is too long)
@@ -450,14 +470,21 @@ def test_regenerate_keeps_results_from_an_interrupted_run(tiny_target_dir, tmp_p
     run_dir = tmp_path / "run"
     out_dir = regen_dir(P, run_dir)
     out_dir.mkdir(parents=True)
+    from eagle3lib.chat_template import prompt_ids
+    from eagle3lib.target import load_tokenizer
+    tok = load_tokenizer(tiny_target_dir)
+    prompt = prompt_ids(tok, REGEN_CHATS[1]["messages"][:2])
+    answer, _ = reply_ids(tok, "CACHED ANSWER", False)
     cached = {"id": "b", "key": D_regen.prompt_key(REGEN_CHATS[1], P.data.regen_max_turns), "messages": [{"role": "user", "content": "2+2?"},
                                       {"role": "assistant", "content": "CACHED ANSWER"}],
-              "status": "ok", "turns": 1, "new_tokens": 3, "capped": False, "empty_outputs": 0}
+              "status": "ok", "turns": 1, "new_tokens": 3, "capped": False, "empty_outputs": 0,
+              "inconsistent": False, "prompt_ids": [prompt], "output_ids": [answer]}
     write_chunk(out_dir, [cached])
     (out_dir / ".chunk-half.jsonl.tmp").write_text('{"id": "c", "mess')  # a write that was killed
     kept, stats = regenerate_chats(P, run_dir, REGEN_CHATS, progress=False)
     assert stats["from_cache"] == 1 and stats["regenerated"] == 2
     assert {c["id"]: c for c in kept}["b"]["messages"][1]["content"] == "CACHED ANSWER"
+    assert {c["id"]: c for c in kept}["b"]["input_ids"] == prompt + answer   # the stored ids, not a re-render
     assert set(results_by_id(out_dir)) == {"a", "b", "c"}
     # Other settings -> another folder, nothing reused.
     P2 = tiny_params(tiny_target_dir, tmp_path, regen_max_new_tokens=3)

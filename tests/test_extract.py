@@ -162,23 +162,29 @@ def test_shard_file_is_plain_safetensors_with_exact_size(clean_run):
     assert summary["bytes_total"] == total
 
 
-def test_rerun_skips_verified_shards_and_redoes_corrupt_ones(clean_run, tiny_target_dir, tmp_path, dataset):
+def test_rerun_skips_finished_shards_unhashed_and_redoes_the_ones_verification_found_bad(
+        clean_run, tiny_target_dir, tmp_path, dataset, monkeypatch):
     P = make_params(tiny_target_dir, tmp_path)
     dataset.save_to_disk(str(P.layout().data_split("train")))     # where the data stage puts it
     first = extract_hidden_states(P, P.run_dir(), "train", progress=False)
+    hashed = []
+    real_sha = hc.file_sha256
+    monkeypatch.setattr(hc, "file_sha256", lambda path: hashed.append(Path(path).name) or real_sha(path))
     again = extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
     assert first["shards_written"] == first["num_shards"] and again["shards_written"] == 0
+    assert hashed == []                               # a rerun (04 calls the stage) reads no shard again
     out = P.layout().hidden("train")
     victim = out / "shard-00001.safetensors"
     data = bytearray(victim.read_bytes())
     data[-3] ^= 0xFF
     victim.write_bytes(bytes(data))
     with pytest.raises(CacheError, match="shard-00001.*sha256"):
-        HiddenCache(out).verify()
+        check_cache(P, P.layout(), "train")           # the verification finds it and records it
     fixed = extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
     assert fixed["shards_written"] == 1
     assert shard_bytes(out) == clean_run[2]           # same bytes as the clean run
-    assert HiddenCache(out).verify()
+    assert check_cache(P, P.layout(), "train") and HiddenCache(out).verify()
+    assert extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)["shards_written"] == 0
 
 
 def test_changed_params_refuse_to_mix(tiny_target_dir, tmp_path, dataset):
@@ -473,3 +479,119 @@ def test_unwritable_or_full_output_dir(tiny_target_dir, tmp_path, dataset, monke
     with pytest.raises(CacheError, match=r"not enough disk space.*GB are free"):
         extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
     assert not list((tmp_path / "ci" / "hidden").rglob("shard-*"))
+
+
+# ---- 03's fidelity check (extract.fidelity) ------------------------------------------------------
+class ModelTop2:
+    """Stands in for the vLLM backend's `top2`: the model's own top-2 next tokens per position;
+    wrong=True names the wrong tokens (top-1 id + 1) with the right logprobs."""
+
+    def __init__(self, model, wrong: bool = False):
+        self.model, self.wrong, self.calls = model, wrong, 0
+
+    def top2(self, rows):
+        self.calls += 1
+        out = []
+        with torch.inference_mode():
+            for row in rows:
+                logp = self.model(torch.tensor([row])).logits[0].float().log_softmax(-1)      # [T, V]
+                values, ids = logp.topk(2, dim=-1)                                        # [T, 2]
+                if self.wrong:
+                    ids = torch.stack([(ids[:, 0] + 1) % logp.shape[-1], ids[:, 1]], dim=-1)
+                out.append((ids, values))
+        return out
+
+    def close(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def confident_target_dir(tiny_target_dir, tmp_path_factory):
+    """The tiny target with its final norm scaled x30: logits with decisive margins (the random
+    tiny target's median top-1/top-2 margin is ~0.1 logits), the states unchanged up to the norm."""
+    model = load_target(tiny_target_dir, "float32")
+    with torch.no_grad():
+        model.model.norm.weight.mul_(30.0)
+    out = tmp_path_factory.mktemp("confident")
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def test_fidelity_plan_follows_the_mode_and_the_target_size(tiny_target_dir, tmp_path, monkeypatch):
+    P = make_params(tiny_target_dir, tmp_path)
+    assert P.extract.fidelity == "auto" and ex.fidelity_plan(P) == ("hf", None)       # fits: as before
+    monkeypatch.setattr(ex, "host_memory_bytes", lambda: 1000)                         # a target too big
+    mode, reason = ex.fidelity_plan(P)
+    assert mode is None and "exceed this machine's memory" in reason and "extract.backend: vllm" in reason
+    P.extract.backend = "vllm"
+    assert ex.fidelity_plan(P) == ("vllm", None)
+    for explicit in ("hf", "vllm"):
+        P.extract.fidelity = explicit
+        assert ex.fidelity_plan(P) == (explicit, None)
+    P.extract.fidelity = "never"
+    assert ex.fidelity_plan(P)[0] is None and "'never'" in ex.fidelity_plan(P)[1]
+    with pytest.raises(ParamsError, match="extract.fidelity"):
+        make_params(tiny_target_dir, tmp_path, fidelity="sometimes")
+
+
+def test_vllm_fidelity_reads_the_saved_reference_and_records_metrics(confident_target_dir, tmp_path, dataset,
+                                                                    monkeypatch):
+    """The cached final states through the head read by name agree with the engine's top-1 (here the
+    model's own, fp32); a reference of other tokens fails the check and the numbers are recorded."""
+    P = make_params(confident_target_dir, tmp_path, dtype="float32", fidelity="vllm")
+    extract_hidden_states(P, P.layout(), "eval", dataset=dataset, progress=False)      # hf backend: no top2
+    cache = HiddenCache(P.layout().hidden("eval"))
+    model = load_target(confident_target_dir, "float32")
+    rows = ex.fidelity_rows(dataset)
+    assert [len(r) for r in rows] == [n for n in LENGTHS if n][:ex.FIDELITY_SEQUENCES]
+    ex.save_top2_reference(cache.path, ModelTop2(model), rows)
+    monkeypatch.setattr(ex, "open_vllm_backend", None)             # a saved reference: no engine start
+    metrics = ex.check_fidelity(P, P.layout(), cache)
+    assert metrics["fidelity"] == "vllm" and metrics["fidelity_skip_reason"] is None
+    assert metrics["checked_tokens"] == sum(len(r) for r in rows) and metrics["decisive_tokens"] > 100
+    assert metrics["argmax_agreement"] == 1.0 and metrics["decisive_argmax_agreement"] == 1.0
+    assert metrics["top1_logprob_abs_error"] < 1e-4
+    recorded = json.loads(P.layout().metrics.read_text())["extract"]
+    assert recorded["decisive_argmax_agreement"] == 1.0 and recorded["fidelity"] == "vllm"
+
+    ex.save_top2_reference(cache.path, ModelTop2(model, wrong=True), rows)
+    with pytest.raises(CacheError, match="do not give the target's own next tokens"):
+        ex.check_fidelity(P, P.layout(), cache)
+    assert json.loads(P.layout().metrics.read_text())["extract"]["argmax_agreement"] == 0.0
+
+
+def test_vllm_fidelity_without_a_matching_reference_asks_an_engine(confident_target_dir, tmp_path, dataset,
+                                                                  monkeypatch):
+    """A cache extracted earlier (no reference beside it, or one for other tokens) gets its
+    reference from an engine started for it, once."""
+    P = make_params(confident_target_dir, tmp_path, dtype="float32", fidelity="vllm")
+    extract_hidden_states(P, P.layout(), "eval", dataset=dataset, progress=False)
+    cache = HiddenCache(P.layout().hidden("eval"))
+    model = load_target(confident_target_dir, "float32")
+    ex.save_top2_reference(cache.path, ModelTop2(model), [[1, 2, 3]])                  # other tokens
+    engine = ModelTop2(model)
+    monkeypatch.setattr(ex, "open_vllm_backend", lambda P, path, dist: engine)
+    assert ex.check_fidelity(P, P.layout(), cache)["decisive_argmax_agreement"] == 1.0
+    assert engine.calls == 1
+    ex.check_fidelity(P, P.layout(), cache)                                             # now saved
+    assert engine.calls == 1
+
+
+def test_fidelity_never_records_the_skip_and_loads_nothing(tiny_target_dir, tmp_path, dataset, monkeypatch):
+    P = make_params(tiny_target_dir, tmp_path, fidelity="never")
+    extract_hidden_states(P, P.layout(), "eval", dataset=dataset, progress=False)
+    monkeypatch.setattr(ex, "load_reference", None)
+    monkeypatch.setattr(ex, "load_target_tensors", None)
+    metrics = ex.check_fidelity(P, P.layout(), HiddenCache(P.layout().hidden("eval")))
+    assert metrics == {"fidelity": "skipped", "fidelity_skip_reason": ex.fidelity_plan(P)[1]}
+    assert "'never'" in metrics["fidelity_skip_reason"]
+    assert json.loads(P.layout().metrics.read_text())["extract"] == metrics
+
+
+def test_hf_fidelity_is_the_fresh_forward_as_before(confident_target_dir, tmp_path, dataset):
+    P = make_params(confident_target_dir, tmp_path, dtype="float32", fidelity="hf")
+    extract_hidden_states(P, P.layout(), "eval", dataset=dataset, progress=False)
+    metrics = ex.check_fidelity(P, P.layout(), HiddenCache(P.layout().hidden("eval")))
+    assert metrics["fidelity"] == "hf" and metrics["fidelity_reference"] == "a fresh transformers float32 forward"
+    assert metrics["argmax_agreement"] == 1.0 and metrics["decisive_argmax_agreement"] == 1.0
+    assert metrics["decisive_tokens"] > 100 and metrics["final_relative_error"] < 1e-5

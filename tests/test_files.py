@@ -9,7 +9,10 @@ import time
 
 import pytest
 
-from eagle3lib.files import LOCK_TOKEN_ENV, RunLocked, atomic_dir, remove_tree, run_lock, update_metrics
+from pathlib import Path
+
+from eagle3lib.files import (LOCK_TOKEN_ENV, MetricsError, RunLocked, UnsafeLink, atomic_dir,
+                            check_run_links, read_metrics, remove_tree, run_lock, update_metrics)
 from eagle3lib.layout import RunLayout
 
 
@@ -187,3 +190,70 @@ def test_update_metrics_merges_sections_in_the_layouts_file(tmp_path):
     update_metrics(tmp_path, "data", {"n": 1})
     update_metrics(tmp_path, "train", {"loss": 2.0})
     assert json.loads(RunLayout(tmp_path).metrics.read_text()) == {"data": {"n": 1}, "train": {"loss": 2.0}}
+
+
+# ---- links inside a run folder never carry writes or deletes elsewhere -----------------------------
+def test_remove_tree_refuses_a_root_that_is_a_link_out(tmp_path):
+    """outputs/<run>/data is a link to a folder elsewhere: deleting data/train through it is refused
+    even though both sides resolve into the same place."""
+    run = tmp_path / "outputs" / "ci"
+    run.mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "train").mkdir(parents=True)
+    (elsewhere / "train" / "keep").write_text("1")
+    (run / "data").symlink_to(elsewhere)
+    with pytest.raises(ValueError, match="goes through a link"):
+        remove_tree(run / "data" / "train", under=run / "data")
+    assert (elsewhere / "train" / "keep").read_text() == "1"
+
+
+def test_check_run_links_refuses_links_out_and_allows_links_inside(tmp_path):
+    run = tmp_path / "outputs" / "ci"
+    (run / "data").mkdir(parents=True)
+    point = run / "scaling" / "n000008"
+    point.mkdir(parents=True)
+    (point / "data").symlink_to(Path("..") / ".." / "data")      # 06_scaling's links stay inside
+    check_run_links(run)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (run / "hidden").symlink_to(elsewhere)
+    with pytest.raises(UnsafeLink, match=r"hidden is a link to .*outside the run folder"):
+        check_run_links(run)
+
+
+def test_data_stage_refuses_a_data_link_out_of_the_run(tmp_path):
+    """The reproduction: `eagle3 run --only data` with outputs/<run>/data linked elsewhere wrote and
+    deleted in that folder. The stage now stops before writing anything."""
+    from eagle3lib.data import prepare_data
+    from eagle3lib.params import load_params
+    P = load_params("params/ci.yaml", {"output_dir": str(tmp_path / "outputs")})
+    run = P.run_dir()
+    run.mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "stats.json").write_text("mine")
+    (run / "data").symlink_to(elsewhere)
+    with pytest.raises(UnsafeLink, match="outside the run folder"):
+        prepare_data(P, run, progress=False)
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["stats.json"]
+    assert (elsewhere / "stats.json").read_text() == "mine"
+
+
+@pytest.mark.parametrize("content", ['{"data": {"n": 1', "[1, 2]", '{"data": 3}', "\xff"])
+def test_a_corrupt_metrics_file_is_named_with_the_fix(tmp_path, content):
+    path = RunLayout(tmp_path).metrics
+    path.write_bytes(content.encode("latin-1"))
+    with pytest.raises(MetricsError, match=rf"{path.name}.*mv .*metrics.json .*\.bad"):
+        update_metrics(tmp_path, "data", {"n": 1})
+    with pytest.raises(MetricsError, match="metrics.json"):
+        read_metrics(path)
+
+
+def test_run_lock_refuses_a_run_folder_with_a_link_out(tmp_path):
+    run = tmp_path / "ci"
+    run.mkdir()
+    (run / "train").symlink_to(tmp_path)
+    with pytest.raises(UnsafeLink, match="train is a link"):
+        with run_lock(run):
+            pass
+    assert not (run / ".lock").exists()

@@ -4,8 +4,13 @@ runs it: vLLM regenerates the answers, vLLM extracts the hidden states (equal to
 2 torchrun processes train the drafter with FSDP, the export loads, and eagle3lib's speculative
 decoding with it is lossless at T=0 against the MoE target.
 
-The module shares one run (two vLLM engine starts of ~30-90 s each on the 2-core CPU). What stays
-a GPU-only check: vLLM's own `eagle3` speculative method against an MLA target (README, 05)."""
+The module shares one run (two vLLM engine starts of ~30-90 s each on the 2-core CPU). Stages 02-04
+(regeneration, extraction with 03's fidelity check, training) run as they would on the big box:
+with transformers' model loading made to raise, in this process and in every child (vLLM, torchrun)
+through a sitecustomize shim, and with the attention backend an AMX CPU gets (CPU_MLA, asked for
+explicitly; engine.cpu_attention_backend) whatever this CPU is. 05's reference decoder loads the
+target in transformers by design (eagle3lib's decoder; vLLM's eagle3 against an MLA target is
+GPU-only: README, 05), so the decoding test below runs after, without the shim."""
 from __future__ import annotations
 
 import json
@@ -18,12 +23,17 @@ import pytest
 import torch
 import yaml
 
+import transformers
+
+from eagle3lib import engine
 from eagle3lib import evaluate as ev
-from eagle3lib.cache import HiddenCache
+from eagle3lib import extract as ex
+from eagle3lib.cache import HiddenCache, check_cache
 from eagle3lib.data import load_processed, prepare_data
 from eagle3lib.decode import greedy_generate
 from eagle3lib.export import export_vllm, load_export
 from eagle3lib.extract import extract_hidden_states
+from eagle3lib.files import read_json
 from eagle3lib.params import load_params
 from eagle3lib.regenerate import load_results, regen_key
 from eagle3lib.target import load_target, load_target_tensors, load_tokenizer
@@ -55,21 +65,98 @@ def write_params(root: Path, kimi_dir: Path, extra: dict) -> Path:
     return path
 
 
+AMX_FLAGS = {"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}   # a Sapphire Rapids CPU
+NO_HF_LOAD = "transformers model loading is disabled: the big box never loads the target in transformers"
+# Put first on PYTHONPATH, this makes every Python child (vLLM's processes, torchrun's workers)
+# refuse transformers' model loading, and logs each process it patched.
+SHIM = """import os
+import transformers
+
+def _refuse(*args, **kwargs):
+    raise RuntimeError({message!r})
+
+for _cls in (transformers.PreTrainedModel, transformers.AutoModel, transformers.AutoModelForCausalLM,
+             transformers.AutoModelForImageTextToText):
+    _cls.from_pretrained = classmethod(_refuse)
+with open("/proc/self/cmdline") as _c, open({log!r}, "a") as _f:
+    _f.write(f"{{os.getpid()}} {{' '.join(_c.read().split(chr(0))[:4])}}\\n")
+"""
+
+
+def refuse_model_loading(mp: pytest.MonkeyPatch, folder: Path) -> Path:
+    """transformers' from_pretrained of models raises here and in children; returns the shim's log."""
+    folder.mkdir(parents=True, exist_ok=True)
+    log = folder / "patched-processes.txt"
+    (folder / "sitecustomize.py").write_text(SHIM.format(message=NO_HF_LOAD, log=str(log)))
+    mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(NO_HF_LOAD)
+    for cls in (transformers.PreTrainedModel, transformers.AutoModel, transformers.AutoModelForCausalLM,
+                transformers.AutoModelForImageTextToText):
+        mp.setattr(cls, "from_pretrained", classmethod(refuse))
+    return log
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, kimi_dir):
-    """Data (vLLM regeneration) and extraction (vLLM backend) of the mini-kimi profile."""
+    """Data (vLLM regeneration), extraction (vLLM backend) and 03's fidelity check of the mini-kimi
+    profile, without any transformers model load and with the AMX CPU's attention backend."""
     path = write_params(tmp_path_factory.mktemp("mk"), kimi_dir, {})
     P = load_params(path)
     assert P.data.regen_backend == "vllm" and P.extract.backend == "vllm"     # what the profile states
-    stats = prepare_data(P, P.run_dir(), progress=False)
-    extracted = {split: extract_hidden_states(P, P.layout(), split, progress=False) for split in ("train", "eval")}
-    return path, P, stats, extracted
+    assert P.extract.fidelity == "vllm"
+    with pytest.MonkeyPatch.context() as mp:
+        shim_log = refuse_model_loading(mp, tmp_path_factory.mktemp("shim"))
+        mp.setattr(engine, "cpu_flags", lambda: AMX_FLAGS)
+        kwargs = engine.engine_kwargs(P, "extract", kimi_dir, P.data.max_length + 1)
+        stats = prepare_data(P, P.run_dir(), progress=False)
+        extracted = {split: extract_hidden_states(P, P.layout(), split, progress=False)
+                     for split in ("train", "eval")}
+        saved_reference = (P.layout().hidden("eval") / ex.FIDELITY_REFERENCE).is_file()
+        mp.setattr(ex, "open_vllm_backend", None)       # the check must not start another engine
+        fidelity = ex.check_fidelity(P, P.layout(), check_cache(P, P.layout(), "eval"))
+    return path, P, stats, extracted, {"engine": kwargs, "shim_log": shim_log, "fidelity": fidelity,
+                                       "saved_reference": saved_reference}
+
+
+def test_stages_ran_without_transformers_model_loading_and_with_the_amx_backend(run):
+    """The shim was active in vLLM's processes (regeneration and extraction) and the patch refuses a
+    load; the engines ran with attention_backend CPU_MLA, the choice an AMX CPU gets."""
+    _, P, _, _, checks = run
+    assert checks["engine"]["attention_backend"] == "CPU_MLA" and checks["engine"]["dtype"] == "float32"
+    patched = checks["shim_log"].read_text().splitlines()
+    assert sum("eagle3lib.extract_vllm" in line for line in patched) >= 2, patched   # train + eval engines
+    assert sum("eagle3lib.regenerate" in line for line in patched) >= 1, patched
+    refused = subprocess.run([sys.executable, "-c", "import transformers; "
+                              "transformers.AutoModelForCausalLM.from_pretrained('/nowhere')"],
+                             env={**os.environ, "PYTHONPATH": str(checks["shim_log"].parent)},
+                             capture_output=True, text=True)
+    assert refused.returncode != 0 and NO_HF_LOAD in refused.stderr
+    log = (P.layout().hidden("train").parent / "vllm-extract-0.log").read_text()
+    assert "Using CPU_MLA backend" in log and "AMX_MLA" not in log
+
+
+def test_fidelity_check_ran_through_vllm_in_the_extraction_engine(run):
+    """03's check on the big box's path: the reference was saved by the extraction's own engine
+    start, the check read it (opening another engine would fail here), metrics.json records it."""
+    _, P, _, _, checks = run
+    fidelity = checks["fidelity"]
+    assert checks["saved_reference"]
+    assert fidelity["fidelity"] == "vllm" and fidelity["fidelity_skip_reason"] is None
+    cache = HiddenCache(P.layout().hidden("eval"))
+    assert fidelity["checked_tokens"] == sum(cache.lengths[:ex.FIDELITY_SEQUENCES]) > 50
+    assert fidelity["decisive_tokens"] >= 10                       # 26 of 65 on the miniature (sharp head)
+    # fp32 everywhere: the cached final state through the head picks vLLM's own top-1
+    assert fidelity["argmax_agreement"] >= 0.99 and fidelity["decisive_argmax_agreement"] == 1.0, fidelity
+    assert fidelity["top1_logprob_abs_error"] < 1e-3, fidelity
+    assert read_json(P.layout().metrics)["extract"]["decisive_argmax_agreement"] == fidelity["decisive_argmax_agreement"]
 
 
 def test_vllm_regeneration_equals_the_targets_greedy_answer(run, kimi_dir):
     """The regenerated first answers are the MoE target's own greedy continuation in transformers
     (vLLM fp32 = HF fp32 on MLA + noaux_tc MoE)."""
-    _, P, stats, _ = run
+    _, P, stats, _, _ = run
     assert stats.regen.backend == "vllm" and stats.train.conversations == OVERRIDES["data"]["num_train"]
     tok = load_tokenizer(kimi_dir)
     target = load_target(kimi_dir, "float32")
@@ -87,7 +174,7 @@ def test_vllm_regeneration_equals_the_targets_greedy_answer(run, kimi_dir):
 def test_vllm_extraction_equals_hf_extraction_on_the_kimi_target(run, tmp_path, kimi_dir):
     """Same tokens and masks, states within fp32 tolerance, and the target head's argmax on the
     cached final state agrees with HF's on >= 99 % of decisive tokens (top-1 leads by > 0.5)."""
-    path, P, _, extracted = run
+    path, P, _, extracted, _ = run
     P_hf = load_params(path, overrides={"extract": {"backend": "hf"}, "output_dir": str(tmp_path)})
     dataset = load_processed(P.run_dir(), "train")
     hf = extract_hidden_states(P_hf, P_hf.layout(), "train", dataset=dataset, progress=False)
@@ -115,12 +202,16 @@ def test_vllm_extraction_equals_hf_extraction_on_the_kimi_target(run, tmp_path, 
 
 @pytest.fixture(scope="module")
 def trained(run):
-    """04's training as the notebook launches it: torchrun, 2 gloo processes, FSDP."""
-    path, P, _, _ = run
+    """04's training as the notebook launches it: torchrun, 2 gloo processes, FSDP; transformers'
+    model loading refused in every process."""
+    path, P, _, _, _ = run
     cmd = torchrun_command(path, None, 2) + ["--no-progress"]
-    res = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                         timeout=600, cwd=ROOT)
+    with pytest.MonkeyPatch.context() as mp:
+        shim_log = refuse_model_loading(mp, P.run_dir().parent / "shim-train")
+        res = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                             timeout=600, cwd=ROOT)
     assert res.returncode == 0, f"{cmd}:\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
+    assert len(shim_log.read_text().splitlines()) >= 3      # torchrun and its two workers were patched
     return json.loads((P.layout().train / "summary.json").read_text())
 
 

@@ -9,7 +9,7 @@ import pytest
 from tiny_notebooks import tiny_notebook
 from eagle3lib.data import prepare_data
 from eagle3lib.params import ParamsError, load_params
-from eagle3lib.plan import capacity_plan, format_plan, measured_stats
+from eagle3lib.plan import REGEN_ANSWER_FILL, capacity_plan, format_plan, measured_stats
 from eagle3lib.layout import RunLayout
 from eagle3lib.runner import NotebookFailed, run_pipeline, select_stages
 from eagle3lib.stats import DataStats, SplitStats
@@ -29,7 +29,7 @@ def test_b300_plan_uses_kimi_shape_and_gpus():
     assert (plan["layers"], plan["hidden_size"], plan["vocab_size"]) == (61, 7168, 163840)
     assert plan["cache_bytes_per_token"] == 2 * 4 * 7168 + 5
     assert plan["extract_hours"] > 0 and plan["train_hours"] > 0
-    assert "8 GPUs" in plan["throughput_basis"]
+    assert "8 x B300 GPUs" in plan["throughput_basis"]
     text = format_plan(plan)
     assert "TB" in text and " h" in text
 
@@ -50,7 +50,7 @@ def test_measured_stats_override_the_estimate():
     p = load_params("params/ci.yaml")
     plan = capacity_plan(p, measured(p, 2400, 24))
     assert plan["tokens_per_conversation"] == 100
-    assert plan["tokens_to_extract"] == 24 * 100
+    assert plan["tokens_to_extract"] == (24 + p.data.num_eval) * 100      # the train and held-out caches
 
 
 def test_plan_reads_the_stats_json_of_a_real_data_stage(tiny_target_dir, tmp_path):
@@ -66,7 +66,7 @@ def test_plan_reads_the_stats_json_of_a_real_data_stage(tiny_target_dir, tmp_pat
     assert estimated["tokens_per_conversation"] != round(tokens_per_conv, 1)   # the test can tell
     plan = capacity_plan(p, measured_stats(p.run_dir()))
     assert plan["tokens_per_conversation"] == round(tokens_per_conv, 1)
-    assert plan["tokens_to_extract"] == int(plan["train_conversations"] * tokens_per_conv)
+    assert plan["tokens_to_extract"] == int((plan["train_conversations"] + p.data.num_eval) * tokens_per_conv)
     assert plan["tokens_basis"].startswith("measured") and estimated["tokens_basis"] == "estimated"
     # Stats measured with other data params are not this profile's: the estimate is kept.
     other = load_params("params/ci.yaml", {**ci, "data": {"regen_temperature": 1.0, "max_length": 256}})
@@ -77,14 +77,14 @@ def test_plan_reads_the_stats_json_of_a_real_data_stage(tiny_target_dir, tmp_pat
 def test_plan_counts_only_regenerated_chats_as_regeneration():
     full = load_params("params/local.yaml", {"data": {"regen_num_train": None}})
     mixed = load_params("params/local.yaml", {"data": {"num_train": 3000, "regen_num_train": 1000}})
-    n = full.data.regen_max_new_tokens * full.data.regen_max_turns
-    assert capacity_plan(full)["regen_tokens"] == full.data.num_train * n
+    n = REGEN_ANSWER_FILL * full.data.regen_max_new_tokens * full.data.regen_max_turns   # held-out chats too
+    assert capacity_plan(full)["regen_tokens"] == int((full.data.num_train + full.data.num_eval) * n)
     plan = capacity_plan(mixed)
-    assert plan["regen_tokens"] == 1000 * n
+    assert plan["regen_tokens"] == int((1000 + mixed.data.num_eval) * n)
     per_regen = capacity_plan(full)["tokens_per_conversation"]
     per_original = capacity_plan(load_params("params/local.yaml", {"data": {"regenerate": False}}))["tokens_per_conversation"]
     assert per_regen != per_original
-    assert plan["tokens_per_conversation"] == pytest.approx((1000 * per_regen + 2000 * per_original) / 3000)
+    assert plan["tokens_per_conversation"] == pytest.approx((1000 * per_regen + 2000 * per_original) / 3000, abs=0.1)
 
 
 def test_cli_plan_prints_bytes_and_hours():
@@ -135,14 +135,18 @@ def test_runner_executes_writes_html_and_names_the_failing_cell(tmp_path):
     assert (tmp_path / "out" / "t" / "01_ngram_baseline.html").is_file()
 
 
-def test_b300_plan_counts_the_embedded_sharegpt_and_marks_the_missing_corpus():
+def test_b300_plan_counts_the_embedded_sharegpt_and_marks_the_missing_corpora():
     p = load_params("params/b300.yaml")
     plan = capacity_plan(p, memory=False)
-    share, own = plan["sources"]
+    share, *public = plan["sources"]
     assert share["source"] == "sharegpt" and share["basis"] == "measured" and 16_000 < share["chats"] < 17_000
-    assert own["basis"] == "assumed" and "no such file or folder on this machine" in own["problem"] and own["chats"] == 32_328
+    for own in public:           # not on this machine: each assumed to give its cap
+        assert own["basis"] == "assumed" and "no such file or folder on this machine" in own["problem"]
+        assert own["chats"] == own["cap"]
     assert plan["chats_basis"] == "measured + assumed"
-    assert plan["train_conversations"] == share["chats"] + own["chats"] - p.data.num_eval
+    # the caps give at least the chats the profile plans (train + held out); num_train binds
+    assert plan["available_chats"] >= p.data.num_train + p.data.num_eval
+    assert plan["train_conversations"] == p.data.num_train
     text = format_plan(plan)
     assert "NOT ON THIS MACHINE" in text and f"{share['chats']:,} chats [measured" in text
     assert "[backend vllm; assumed" in text
@@ -190,43 +194,45 @@ def test_plan_uses_the_runs_measured_rates_of_the_same_backend(tmp_path):
     assert plan["regen_rate_basis"].startswith("assumed")
     other = load_params("params/ci.yaml", {"output_dir": str(tmp_path), "extract": {"backend": "vllm"}})
     plan = capacity_plan(other, memory=False)                 # the run measured the hf backend
-    assert plan["extract_rate_basis"].startswith("assumed") and plan["extract_tokens_per_s"] != 1234.5
+    assert "metrics.json" not in plan["extract_rate_basis"] and plan["extract_tokens_per_s"] != 1234.5
 
 
-def test_expected_stage_times_add_the_start_up_the_plan_leaves_out(tmp_path):
-    """The runner's "expected ~N s" adds a kernel start to every stage and a vLLM engine start to
-    the stages that start one (mini-kimi: both; ci: neither); a run folder's own last times win."""
+def test_expected_stage_times_are_the_plans_stage_times(tmp_path):
+    """The runner's "expected ~N s" of each stage is the plan's per-stage time (engine starts, kernel
+    and the work included); a run folder's own last times win."""
     from eagle3lib.layout import RunLayout
-    from eagle3lib.runner import KERNEL_START_S, VLLM_START_S, expected_seconds
-    ci, kimi = load_params("params/ci.yaml"), load_params("params/mini-kimi.yaml")
+    from eagle3lib.runner import expected_seconds
+    kimi = load_params("params/mini-kimi.yaml")
     layout = RunLayout(tmp_path / "run")
     plan = capacity_plan(kimi, None, memory=False, layout=layout)
     got = expected_seconds(kimi, layout)
-    assert got["data"][0] == pytest.approx(plan["regen_hours"] * 3600 + KERNEL_START_S + VLLM_START_S)
-    assert got["extract"][0] == pytest.approx(plan["extract_hours"] * 3600 + KERNEL_START_S + VLLM_START_S)
-    assert got["train"][0] == pytest.approx(plan["train_hours"] * 3600 + KERNEL_START_S)
-    ci_plan = capacity_plan(ci, None, memory=False, layout=layout)
-    assert expected_seconds(ci, layout)["extract"][0] == pytest.approx(ci_plan["extract_hours"] * 3600 + KERNEL_START_S)
+    for stage in ("research", "ngram", "data", "extract", "train", "eval"):
+        assert got[stage][0] == pytest.approx(plan["stages"][stage]["seconds"])
+    engine = [q for q in plan["stages"]["data"]["parts"] if "vLLM engine start" in q["name"]]
+    assert engine and plan["stages"]["data"]["seconds"] > plan["regen_hours"] * 3600 + engine[0]["seconds"]
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.json").write_text(json.dumps({"runner": {"stage_seconds": {"extract": 123.0}}}))
     assert expected_seconds(kimi, layout)["extract"] == (123.0, "this run folder's last run")
 
 
 def test_cpu_rates_follow_the_host_kind(monkeypatch, tmp_path):
-    """An AVX2-only host (bf16 emulated, `auto` = fp32) runs ~5x slower than a native-bf16 host:
-    the planner's assumed CPU rates must be that host kind's (NOTES.md, seventh/ninth sessions).
-    An empty run folder: no measured rates of an earlier run of the profile (outputs/local) apply."""
-    from eagle3lib import plan as planner
+    """An AVX2-only host (bf16 emulated, `auto` = fp32) runs several times slower than a native-bf16
+    host: the planner's CPU rates are those the recorded runs of this host kind measured
+    (bench/recorded_stage_times.json). An empty run folder: no measured rates of an earlier run of
+    the profile (outputs/local) apply."""
+    from eagle3lib import stage_times
     P = load_params("params/local.yaml")
     empty = RunLayout(tmp_path / "local")
-    monkeypatch.setattr(planner, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(stage_times, "cpu_has_native_bf16", lambda: True)
     native = capacity_plan(P, None, memory=False, layout=empty)
-    monkeypatch.setattr(planner, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(stage_times, "cpu_has_native_bf16", lambda: False)
     avx2 = capacity_plan(P, None, memory=False, layout=empty)
-    assert native["extract_tokens_per_s"] == planner.CPU_EXTRACT_TOKENS_PER_S
-    assert avx2["extract_tokens_per_s"] == planner.AVX2_CPU_RATES["extract"]
-    assert avx2["regen_hours"] > 3 * native["regen_hours"] and avx2["train_hours"] > 3 * native["train_hours"]
-    assert "AVX2" in avx2["throughput_basis"] and "native bf16" in native["throughput_basis"]
+    recorded = {r["host_kind"]: r["rates"] for r in stage_times.recorded_runs()}
+    assert native["extract_tokens_per_s"] == recorded["native_bf16"]["extract_tokens_per_s"][0]
+    assert avx2["extract_tokens_per_s"] == recorded["avx2"]["extract_tokens_per_s"][0]
+    assert native["extract_rate_basis"].startswith("measured (local, ")
+    assert avx2["regen_hours"] > 2.5 * native["regen_hours"] and avx2["extract_hours"] > 2 * native["extract_hours"]
+    assert "avx2" in avx2["throughput_basis"] and "native bf16" in native["throughput_basis"]
     share = P.train.time_budget_minutes / 60 / avx2["train_hours"]
     assert f"stops it after ~{share:.0%} of the planned tokens" in format_plan(avx2)      # the user sees the cut
     unlimited = capacity_plan(load_params("params/local.yaml", {"train": {"time_budget_minutes": None}}), None,

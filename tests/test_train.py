@@ -18,6 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from eagle3lib.batches import aux_scale, bucket_batches, fold_aux_scale
 from eagle3lib.cache import CacheError, HiddenCache, cache_params_hash, file_sha256
+from eagle3lib.export import TRAINING_FILE
+from eagle3lib.fingerprint import target_fingerprint
 from eagle3lib.model import Eagle3Config
 from eagle3lib.objective import acceptance_estimate, replay_chain
 from eagle3lib.params import load_params
@@ -382,6 +384,8 @@ def test_tiny_run_learns_and_writes_a_vllm_named_final_drafter(tmp_path, sharp_t
     assert 1.0 <= summary["eval"]["acceptance_replayed"] <= 4.0 and summary["eval"]["replay_rounds"] > 0
     assert any("eval" in r for r in records[:-1])                           # eval at checkpoints
     final = Path(summary["final_dir"])
+    # the target trained against is recorded with the drafter (export and eval check it)
+    assert json.loads((final / TRAINING_FILE).read_text())["target"] == target_fingerprint(sharp_target_dir)
     weights = load_file(str(final / "model.safetensors"))
     cfg = Eagle3Config(**json.loads((final / "config.json").read_text()))
     assert "embed_tokens.weight" not in weights
@@ -452,6 +456,53 @@ def test_two_process_training_matches_single_process_with_the_same_global_batch(
     assert h1[-1]["loss"] != h1[0]["loss"]
     s2 = json.loads((load_params(dual).run_dir() / "train" / "summary.json").read_text())
     assert s2["world_size"] == 2
+
+
+HELDOUT_WORKER = """
+import json, sys
+import torch
+from eagle3lib.dist import Dist
+from eagle3lib.layout import RunLayout
+from eagle3lib.params import load_params
+from eagle3lib.train import heldout_eval, setup
+P = load_params(sys.argv[1])
+dist = Dist()
+run = setup(P, RunLayout(P.run_dir()), dist, torch.device("cpu"))
+out = {"eval": heldout_eval(run), "forwards": len(run.eval_batches), "mine": len(run.eval_batches.batches)}
+with open(sys.argv[2] + f".{dist.rank}.json", "w") as f:
+    json.dump(out, f)
+dist.close()
+"""
+
+
+@pytest.mark.parametrize("mode, sequences, batches", [("fsdp", 6, 3), ("ddp", 1, 1)])
+def test_each_rank_holds_a_share_of_the_held_out_set_and_the_metrics_equal_one_process(
+        tmp_path, sharp_target_dir, mode, sequences, batches):
+    """Two gloo ranks prepare disjoint shares of the held-out batches (the one with fewer runs a
+    filler forward: DDP / FSDP forwards are collectives) and reduce the sums: the held-out metrics
+    of the same weights equal one process scoring every batch."""
+    overrides = {"eval_sequences": sequences, "resume": False, "max_steps": 2}
+    single = make_run(tmp_path / "single", sharp_target_dir, overrides)
+    dual = make_run(tmp_path / "dual", sharp_target_dir, {**overrides, "distributed": mode, "nproc": 2})
+    script = tmp_path / "heldout_worker.py"
+    script.write_text(HELDOUT_WORKER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for params, cmd in ((single, [sys.executable]),
+                        (dual, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"])):
+        r = subprocess.run(cmd + [str(script), str(params), str(params.parent / "heldout")], env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    (one,) = [json.loads((single.parent / "heldout.0.json").read_text())]
+    two = [json.loads((dual.parent / f"heldout.{rank}.json").read_text()) for rank in (0, 1)]
+    assert one["forwards"] == one["mine"] == batches
+    assert [r["forwards"] for r in two] == [(batches + 1) // 2] * 2                 # every rank runs as many
+    assert sum(r["mine"] for r in two) == batches and two[1]["mine"] == batches // 2  # disjoint shares
+    for r in two:
+        assert r["eval"]["positions"] == one["eval"]["positions"] and sum(one["eval"]["positions"]) > 0
+        assert r["eval"]["replay_rounds"] == one["eval"]["replay_rounds"]
+        assert r["eval"]["acceptance_replayed"] == pytest.approx(one["eval"]["acceptance_replayed"], abs=1e-12)
+        assert r["eval"]["acc"] == pytest.approx(one["eval"]["acc"], abs=1e-12)
+        assert r["eval"]["loss"] == pytest.approx(one["eval"]["loss"], rel=1e-6)
 
 
 def test_design_choices_are_wired_and_the_time_budget_stops_cleanly(tmp_path, sharp_target_dir):

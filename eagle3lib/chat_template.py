@@ -1,0 +1,114 @@
+"""The target's chat template as token ids: thinking mode, generation prompts, a Kimi-like template.
+
+Reasoning targets render the same chat two ways. Kimi-K2.5 (like DeepSeek-V3.1, Qwen3, GLM-4.5)
+reads a boolean template variable: thinking (its default) ends the generation prompt with `<think>`
+and the target writes its reasoning, `</think>`, then the answer; instant mode ends the prompt
+with `<think></think>`. Past assistant turns render as `<think></think>` + content in both modes,
+so a thinking answer is never re-rendered as the target wrote it.
+
+`data.thinking` picks the mode for regeneration, the render path of the data stage and the eval
+prompts alike: "auto" passes nothing (the template's own default), "on"/"off" pass
+`thinking` and `enable_thinking` (the two names these templates read; a template ignores the other).
+HF `apply_chat_template(**kwargs)` hands extra keyword arguments to the Jinja template as variables.
+
+`KIMI_LIKE_TEMPLATE` behaves like Kimi-K2.5's template (thinking generation prompt, empty think
+block in history, tool-call markers) on any tokenizer; the tests give it to SmolLM2's tokenizer.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+THINKING_CHOICES = ("auto", "on", "off")
+THINK_START, THINK_END = "<think>", "</think>"
+PROBE_CHAT = [{"role": "user", "content": "Hi"}]
+
+
+def template_kwargs(thinking: str) -> dict:
+    """The Jinja variables that select data.thinking's mode ({} for "auto": the template's default)."""
+    if thinking not in THINKING_CHOICES:
+        raise ValueError(f"data.thinking: must be one of {THINKING_CHOICES}, got {thinking!r}")
+    if thinking == "auto":
+        return {}
+    on = thinking == "on"
+    return {"thinking": on, "enable_thinking": on}
+
+
+def render_text(tokenizer, messages: list[dict], add_generation_prompt: bool, thinking: str = "auto") -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **template_kwargs(thinking))
+
+
+def prompt_ids(tokenizer, messages: list[dict], thinking: str = "auto") -> list[int]:
+    """The ids the engine gets for the next assistant turn: the template with its generation prompt,
+    tokenised without special tokens (the template writes them)."""
+    text = render_text(tokenizer, messages, True, thinking)
+    return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+def thinking_active(tokenizer, thinking: str = "auto") -> bool:
+    """Whether the generation prompt opens a reasoning block (ends with `<think>`): the target will
+    write its reasoning before the answer."""
+    return render_text(tokenizer, PROBE_CHAT, True, thinking).rstrip().endswith(THINK_START)
+
+
+def check_thinking_kwarg(tokenizer, thinking: str) -> None:
+    """Refuse data.thinking on/off for a template that renders both modes alike (it reads neither
+    `thinking` nor `enable_thinking`): the profile would claim a mode the target never gets."""
+    if thinking == "auto":
+        return
+    if render_text(tokenizer, PROBE_CHAT, True, "on") == render_text(tokenizer, PROBE_CHAT, True, "off"):
+        raise ValueError(f"data.thinking: {thinking!r}, but the target's chat template renders the same "
+                         f"prompt with thinking on and off (it reads neither `thinking` nor "
+                         f"`enable_thinking`): set data.thinking: auto")
+
+
+def split_reasoning(text: str) -> tuple[str, str]:
+    """(reasoning, answer) of a generated text: split at the last `</think>`; no marker: all answer."""
+    head, sep, tail = text.rpartition(THINK_END)
+    return (head, tail) if sep else ("", text)
+
+
+# A template shaped like Kimi-K2.5's: role headers <|im_system|>/<|im_user|>/<|im_assistant|> +
+# <|im_middle|>, default system prompt, `thinking` variable (default true), reasoning kept only for
+# assistant turns after the last user turn, tool calls and tool results.
+KIMI_LIKE_TEMPLATE = (
+    "{%- set thinking = thinking if thinking is defined else true -%}"
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if not messages or messages[0].role != 'system' -%}"
+    "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'system' -%}<|im_system|>system<|im_middle|>{{ m.content }}<|im_end|>"
+    "{%- elif m.role == 'user' -%}<|im_user|>user<|im_middle|>{{ m.content }}<|im_end|>"
+    "{%- elif m.role == 'tool' -%}<|im_system|>tool<|im_middle|>## Return of {{ m.tool_call_id }}\n"
+    "{{ m.content }}<|im_end|>"
+    "{%- elif m.role == 'assistant' -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if loop.index0 > ns.last_user -%}<think>{{ m.reasoning_content or '' }}</think>"
+    "{%- else -%}<think></think>{%- endif -%}"
+    "{{ m.content }}"
+    "{%- if m.tool_calls -%}<|tool_calls_section_begin|>"
+    "{%- for tc in m.tool_calls -%}<|tool_call_begin|>{{ tc.id }}<|tool_call_argument_begin|>"
+    "{{ tc.function.arguments }}<|tool_call_end|>{%- endfor -%}<|tool_calls_section_end|>"
+    "{%- endif -%}<|im_end|>"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if thinking -%}<think>{%- else -%}<think></think>{%- endif -%}"
+    "{%- endif -%}")
+
+
+def save_kimi_like_tokenizer(src_dir: Path, out_dir: Path) -> Path:
+    """`src_dir`'s tokenizer with KIMI_LIKE_TEMPLATE as its chat template, saved to `out_dir`.
+    No token is added (the markers are ordinary text), so the vocabulary and every model that
+    reads `src_dir`'s ids stay valid; `<|im_end|>` must be the tokenizer's end-of-turn token."""
+    from transformers import AutoTokenizer  # heavy import, only for building test tokenizers
+    tok = AutoTokenizer.from_pretrained(str(src_dir))
+    if tok.convert_tokens_to_ids("<|im_end|>") in (None, tok.unk_token_id):
+        raise ValueError(f"{src_dir}: the tokenizer has no <|im_end|> token to end a turn")
+    tok.chat_template = KIMI_LIKE_TEMPLATE
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(str(out_dir))
+    return out_dir

@@ -1,0 +1,482 @@
+"""How long each stage of a run takes: the planner's per-stage time model (plan.py prints it).
+
+    work = Workload(...)                           # plan.py: chats, tokens, bytes, steps of the profile
+    stages = stage_seconds(p, work, host)          # {stage: Stage(parts=[Part(name, seconds, basis)])}
+
+A stage's time is the sum of its parts: the notebook kernel, each engine start (vLLM engines in
+01, 02, 03 and 05 counted from the profile, each loading the checkpoint), the work itself at a
+rate, and I/O (the hidden-state cache written, copied, hashed and verified). Every part carries
+its basis, starting with "measured" or "assumed".
+
+- This CPU (no cuda device in the profile): the rates are those of the newest recorded run on
+  this host kind (bench/recorded_stage_times.json: native bf16 or AVX2-only), scaled to the
+  profile's model sizes and settings; fixed costs not in a record are assumed constants below.
+- GPUs: training from the one-rank H200 measurement at Kimi shapes (NOTES.md), scaled per GPU
+  kind by dense bf16 FLOP/s; extraction bounded by compute (FLOPs at an assumed MFU) plus the
+  cache's I/O (the connector's synchronous save in one worker, the parent's re-read and re-write,
+  the writer's sha256); regeneration and eval decoding from HBM bandwidth (bytes read per decode
+  step / bandwidth, times the batch), never an MFU.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from .params import Params, cpu_has_native_bf16, repo_root
+
+# The stages a full run executes, in order (runner.STAGES without the optional study).
+STAGES = ("research", "ngram", "data", "extract", "train", "eval")
+OPTIONAL_STAGES = ("scaling",)
+
+# ---- this CPU: calibrated from recorded runs ---------------------------------------------------
+RECORDED_STAGE_TIMES = "bench/recorded_stage_times.json"
+HOST_KINDS = ("native_bf16", "avx2")
+# Fixed costs no record separates out (assumed unless stated):
+KERNEL_START_S = 15.0            # assumed: a notebook kernel where no recorded 00_research time says otherwise
+CPU_ENGINE_START_S = 45.0        # measured: one vLLM CPU engine at the default batch budget (bench/extract.py, 42.9 s)
+# assumed: an eval engine at 512 batched tokens (NOTES: its warm-up fell from 29 s to 2 s) plus loading
+CPU_EVAL_ENGINE_START_S = 10.0
+CPU_TARGET_LOAD_S = 5.0          # assumed: transformers loads a small target (SmolLM2-class) on the CPU
+CPU_REGEN_HF_TOKENS_PER_S = 200.0  # assumed: batched HF generate of a SmolLM2-class target
+# measured: 02 took 25 s for 3,036 chats with every answer already regenerated (NOTES, sixth session)
+DATA_PREP_S_PER_CHAT = 25.0 / 3036
+TRAIN_SETUP_S = 15.0             # assumed: torch import, cache and vocab load, drafter and target head build
+TORCHRUN_START_S = 20.0          # assumed: torchrun and one process group per extra rank
+CPU_SPEC_SPEEDUP = 1.4           # measured: vLLM CPU n-gram / EAGLE-3 1.38-1.58x plain (NOTES.md)
+CPU_BF16_TRAIN_SPEEDUP = 3.0     # measured: bf16 autocast 2.5-4x fp32 on a native-bf16 CPU (bench/train.py, NOTES)
+
+# ---- GPUs: datasheet figures per kind (assumed) and the trainer measurement --------------------
+# kind: (dense bf16 FLOP/s, HBM bytes/s, memory GB) per GPU, vendor datasheets.
+GPU_KINDS = {"H100": (0.989e15, 3.35e12, 80), "H200": (0.989e15, 4.8e12, 141),
+             "B200": (2.25e15, 8.0e12, 180), "B300": (2.25e15, 8.0e12, 288)}
+# measured: one H200 rank at Kimi-K2.5 shapes (H 7168, draft vocab 32k), ttt 7, 32,768-token
+# micro-batches, flex attention + activation checkpointing, bf16 autocast, AdamW (NOTES.md,
+# bench/gpu_check.sh): 8,573 tok/s at 16 x 2,048, 8,312 at 8 x 4,096.
+H200_TRAIN_TOKENS_PER_S = 8573.0
+H200_TRAIN_BASIS = {"ttt_steps": 7, "hidden_size": 7168, "draft_vocab_size": 32000}
+FSDP_SCALING = 0.9               # assumed: per-rank throughput kept under FSDP across the node's ranks
+MFU_EXTRACT = 0.30               # assumed: prefill of a MoE target in vLLM (compute-bound)
+HBM_EFFICIENCY = 0.5             # assumed: share of peak HBM bandwidth a decode step achieves
+DECODE_STEP_FLOOR_S = 0.015      # assumed: one decode step of a 61-layer TP-8 engine (launches, all-reduces) at least
+REGEN_DECODE_BATCH = 256         # assumed: sequences vLLM decodes at once in regeneration (max_num_seqs, KV room)
+GPU_SPEC_SPEEDUP = 1.5           # assumed: speculative modes vs plain decoding in eval
+# The cache's I/O (vLLM backend): the connector saves each batch's states synchronously in one
+# worker, the parent process reads them back and writes the shard, and the writer hashes it.
+CONNECTOR_WRITE_BYTES_PER_S = 1.5e9   # assumed: one synchronous safetensors save stream
+PARENT_COPY_BYTES_PER_S = 1.0e9       # assumed: one process reading and re-writing the states
+HASH_BYTES_PER_S = 1.0e9              # assumed: one sha256 stream
+# Verification of the caches before training (cache.verify_cache): seconds per GB of one hashing
+# process. assumed until bench/verify.py is measured (NOTES.md).
+VERIFY_SECONDS_PER_GB = 1.0
+# A vLLM engine start on GPUs: fixed (processes, TP/EP groups, profiling run, CUDA graphs unless
+# enforce_eager) plus the checkpoint read.
+ENGINE_FIXED_S = 120.0           # assumed
+ENGINE_LOAD_S_PER_GB = 0.5       # assumed: 2 GB/s from local NVMe or the page cache into the 8 GPUs
+# Checkpoint bytes of known targets not on this machine (by hidden size): Kimi-K2.5 ships INT4
+# experts, ~554 GB of safetensors.
+KNOWN_CHECKPOINT_BYTES = {7168: 554e9}
+
+
+@dataclass
+class Part:
+    name: str
+    seconds: float
+    basis: str                   # "measured ..." or "assumed ..."
+
+
+@dataclass
+class Stage:
+    parts: list = field(default_factory=list)
+    optional: bool = False
+    # the stage's main work: (what, tokens/s, basis, seconds), e.g. ("regen", 315.0, "measured ...", 699.0)
+    rate: Optional[tuple] = None
+
+    @property
+    def seconds(self) -> float:
+        return sum(p.seconds for p in self.parts)
+
+    def add(self, name: str, seconds: float, basis: str) -> None:
+        self.parts.append(Part(name, float(seconds), basis))
+
+    def as_dict(self) -> dict:
+        return {"seconds": self.seconds, "optional": self.optional,
+                "parts": [{"name": p.name, "seconds": p.seconds, "basis": p.basis} for p in self.parts]}
+
+
+@dataclass
+class Workload:
+    """What a profile asks each stage to do (plan.py computes it)."""
+    chats: int                   # training + held-out chats the data stage prepares
+    regen_tokens_train: float    # tokens generated for training chats
+    regen_tokens_eval: float     # and for held-out chats
+    extract_tokens: float        # train + eval tokens through the target
+    cache_bytes: float           # train + eval hidden-state cache
+    train_tokens: float          # tokens the trainer processes (epochs or steps)
+    tokens_per_chat: float       # mean tokens of one training sequence
+    planned_steps: int
+    active_params: float         # target parameters touched per token
+    total_params: float          # all target parameters (MoE: every expert)
+    checkpoint_bytes: float      # the target's weights on disk (engine loads)
+    checkpoint_basis: str
+    drafter_flops_per_token: float
+
+
+@dataclass
+class Host:
+    """Where the run executes: this CPU (kind native_bf16 | avx2) or `gpus` GPUs of `gpu`."""
+    kind: str
+    gpus: int = 0
+    gpu: Optional[str] = None
+    gpu_basis: str = ""
+    rates: dict = field(default_factory=dict)    # CPU: name -> (value, basis), from the records
+    train_basis: dict = field(default_factory=dict)
+
+
+# ---- hosts -------------------------------------------------------------------------------------
+def host_kind() -> str:
+    return "native_bf16" if cpu_has_native_bf16() else "avx2"
+
+
+def recorded_runs(path: Optional[Path] = None) -> list:
+    """The recorded runs (bench/recorded_stage_times.json), [] when the file is not there."""
+    path = path or repo_root() / RECORDED_STAGE_TIMES
+    return json.loads(path.read_text())["runs"] if path.is_file() else []
+
+
+def cpu_host(kind: Optional[str] = None, runs: Optional[list] = None) -> Host:
+    """This CPU with the rates of the recorded runs of its kind (newest last wins, by date); a run
+    recorded only as a check (no "rates", e.g. ci) calibrates nothing."""
+    kind = kind or host_kind()
+    mine = sorted((r for r in (recorded_runs() if runs is None else runs) if r["host_kind"] == kind),
+                  key=lambda r: r["date"])
+    if not mine:
+        raise ValueError(f"no recorded run on a {kind} host in {RECORDED_STAGE_TIMES}: record one "
+                         "(`eagle3 run --params params/local.yaml` prints each stage's seconds)")
+    rates, basis = {}, {}
+    for r in mine:
+        where = f"{r['profile']}, {r['date']}"
+        rates.update({k: (v, f"measured ({where}: {why})") for k, (v, why) in r.get("rates", {}).items()})
+        basis = r.get("train_basis", basis)
+    return Host(kind, rates=rates, train_basis=basis)
+
+
+def gpu_kind(p: Params) -> tuple[str, str]:
+    """(kind, basis): the GPU whose memory is nearest train.gpu_memory_gb (B300 without it)."""
+    gb = p.train.gpu_memory_gb
+    if gb is None:
+        return "B300", "assumed (train.gpu_memory_gb not set)"
+    kind = min(GPU_KINDS, key=lambda k: abs(GPU_KINDS[k][2] - gb))
+    return kind, f"assumed from train.gpu_memory_gb = {gb:g} GB"
+
+
+def host_for(p: Params, gpus: int, kind: Optional[str] = None, runs: Optional[list] = None) -> Host:
+    """The host a profile plans for: `gpus` GPUs when it asks for CUDA, else this CPU."""
+    if gpus:
+        g, basis = gpu_kind(p)
+        return Host("gpu", gpus=gpus, gpu=g, gpu_basis=basis)
+    return cpu_host(kind, runs)
+
+
+# ---- engine starts -----------------------------------------------------------------------------
+def regen_backend(p: Params) -> Optional[str]:
+    """The regeneration backend (regenerate.resolve_backend's rule; not imported: it loads torch)."""
+    if not p.data.regenerate:
+        return None
+    b = p.data.regen_backend
+    return ("vllm" if importlib.util.find_spec("vllm") is not None else "hf") if b == "auto" else b
+
+
+def eval_modes(p: Params, stage: str) -> list:
+    """vLLM modes of 01 (plain, each n-gram k, suffix) or 05 (plain, n-gram, eagle3): one engine each."""
+    if not p.eval.use_vllm:
+        return []
+    if stage == "ngram":
+        return ["plain"] + [f"ngram_k{k}" for k in p.eval.ngram_k] + (["suffix"] if p.eval.suffix_baseline else [])
+    return ["plain", f"ngram_k{p.eval.k}", f"eagle3_k{p.eval.k}"]
+
+
+def engine_start(host: Host, work: Workload, eval_engine: bool = False) -> tuple[float, str]:
+    if host.gpus:
+        gb = work.checkpoint_bytes / 1e9
+        return (ENGINE_FIXED_S + ENGINE_LOAD_S_PER_GB * gb,
+                f"assumed ({ENGINE_FIXED_S:.0f} s + {ENGINE_LOAD_S_PER_GB} s/GB x {gb:,.0f} GB checkpoint, "
+                f"{work.checkpoint_basis})")
+    if eval_engine:
+        return CPU_EVAL_ENGINE_START_S, "assumed (a CPU eval engine at 512 batched tokens)"
+    return CPU_ENGINE_START_S, "measured (bench/extract.py: one CPU engine, NOTES.md)"
+
+
+def add_engines(stage: Stage, n: int, host: Host, work: Workload, what: str, eval_engine: bool = False) -> None:
+    if n:
+        s, basis = engine_start(host, work, eval_engine)
+        stage.add(f"{n} vLLM engine start{'s' if n > 1 else ''} ({what})", n * s, basis)
+
+
+# ---- rates -------------------------------------------------------------------------------------
+def kernel_start(host: Host) -> tuple[float, str]:
+    """A notebook kernel with the library imported (00_research's wall time on a recorded CPU)."""
+    if host.gpus:
+        return KERNEL_START_S, f"assumed ({KERNEL_START_S:.0f} s)"
+    return cpu_rate(host, "kernel_s", (KERNEL_START_S, f"assumed ({KERNEL_START_S:.0f} s)"))
+
+
+def cpu_rate(host: Host, name: str, default: Optional[tuple] = None) -> tuple[float, str]:
+    return host.rates.get(name) or default
+
+
+def target_speed_ratio(host: Host, work: Workload) -> float:
+    """CPU target rates were recorded on SmolLM2-135M; a bigger target is slower in proportion,
+    a smaller one no faster (small models are overhead-bound on the CPU; assumed)."""
+    return min(1.0, 135e6 / work.active_params)
+
+
+def decode_step_s(host: Host, work: Workload, batch: int, context: float, kv_bytes_per_token: float) -> float:
+    """One decode step on GPUs: the weights it touches (a MoE step at a large batch touches every
+    expert: the whole checkpoint; at batch 1 the active weights) plus the KV cache, over the HBM
+    bandwidth of the engine's GPUs, at least DECODE_STEP_FLOOR_S."""
+    _, bw, _ = GPU_KINDS[host.gpu]
+    weights = work.checkpoint_bytes * (1.0 if batch > 1 else min(1.0, work.active_params / work.total_params))
+    kv = batch * context * kv_bytes_per_token
+    return max(DECODE_STEP_FLOOR_S, (weights + kv) / (host.gpus * bw * HBM_EFFICIENCY))
+
+
+def kv_bytes_per_token(p: Params) -> float:
+    """bf16 KV cache per token: MLA's latent (512 + 64) per layer for DeepSeek-V3-style targets
+    (hidden 7168), else K and V of every layer (assumed from the shape)."""
+    s = p.target_shape() or {}
+    layers, h = s.get("num_hidden_layers", 1), s.get("hidden_size", 1)
+    heads, kv_heads = s.get("num_attention_heads", 1), s.get("num_key_value_heads", 1)
+    per_layer = (512 + 64) if h == 7168 else 2 * h * kv_heads / heads
+    return 2 * layers * per_layer
+
+
+def train_rate(p: Params, host: Host, work: Workload) -> tuple[float, str]:
+    """Trainer tokens/s: the GPU measurement scaled per GPU kind and ranks, or this CPU's record
+    scaled by the drafter's FLOPs per token and the dtype."""
+    t = p.train
+    if host.gpus:
+        flops, _, _ = GPU_KINDS[host.gpu]
+        ranks = t.nproc if t.distributed != "none" else 1
+        basis_flops = drafter_flops_per_token(H200_TRAIN_BASIS)
+        rate = H200_TRAIN_TOKENS_PER_S * flops / GPU_KINDS["H200"][0] * basis_flops / work.drafter_flops_per_token
+        rate *= ranks * (FSDP_SCALING if ranks > 1 else 1.0)
+        return rate, (f"measured on one H200 rank at Kimi shapes ({H200_TRAIN_TOKENS_PER_S:,.0f} tok/s, ttt 7), "
+                      f"assumed to scale with bf16 FLOP/s to {host.gpu} ({host.gpu_basis}), with the drafter's "
+                      f"FLOPs per token, and x {ranks} ranks x {FSDP_SCALING if ranks > 1 else 1.0} (FSDP)")
+    value, basis = cpu_rate(host, "train_tokens_per_s")
+    b = host.train_basis
+    rate = value * drafter_flops_per_token(b) / work.drafter_flops_per_token if b else value
+    rate = min(rate, 2 * value)      # tiny drafters are overhead-bound (assumed)
+    native = host.kind == "native_bf16"
+    if native and b.get("dtype") == "bfloat16" and t.dtype != "bfloat16":
+        rate /= CPU_BF16_TRAIN_SPEEDUP
+    elif native and b.get("dtype") != "bfloat16" and t.dtype == "bfloat16":
+        rate *= CPU_BF16_TRAIN_SPEEDUP
+    return rate, f"{basis}; scaled by the drafter's FLOPs per token and train.dtype ({t.dtype})"
+
+
+def drafter_flops_per_token(shape: dict, ttt_steps: Optional[int] = None) -> float:
+    """Training FLOPs per token of the drafter (6 x parameters per TTT step, plus the target head's
+    labels over the draft vocabulary); shape: hidden_size, draft_vocab_size, ttt_steps."""
+    h, dv = shape["hidden_size"], shape["draft_vocab_size"]
+    steps = ttt_steps or shape["ttt_steps"]
+    layer = 3 * h * h + 2 * h * h * 2 + 2 * h * h // 2 + h * h + 3 * h * (8 * h // 3) + dv * h
+    return steps * 6 * layer + 2 * dv * h
+
+
+# ---- the stages --------------------------------------------------------------------------------
+def stage_seconds(p: Params, work: Workload, host: Host, measured: Optional[dict] = None) -> dict:
+    """{stage: Stage} of a full run (and the optional scaling study). measured: this run folder's
+    measured rates {"regen"|"extract"|"train": (tokens/s, where)}, used before any other basis."""
+    measured = measured or {}
+    kernel = kernel_start(host)
+    stages = {name: Stage() for name in STAGES}
+    for name in STAGES:
+        stages[name].add("notebook kernel start", kernel[0], kernel[1])
+    decode_stage(p, work, host, stages["ngram"], "ngram")
+    data_stage(p, work, host, stages["data"], measured)
+    extract_stage(p, work, host, stages["extract"], measured)
+    train_stage(p, work, host, stages["train"], measured)
+    decode_stage(p, work, host, stages["eval"], "eval")
+    if p.scaling.sizes:
+        stages["scaling"] = scaling_stage(p, work, host)
+    return stages
+
+
+def data_stage(p: Params, work: Workload, host: Host, stage: Stage, measured: dict) -> None:
+    stage.add("read, template and tokenise chats", work.chats * DATA_PREP_S_PER_CHAT,
+              "measured (02 with every answer already regenerated: 25 s for 3,036 chats, NOTES.md)")
+    backend = regen_backend(p)
+    if backend is None:
+        return
+    tokens = work.regen_tokens_train + work.regen_tokens_eval
+    rate, basis = regen_rate(p, work, host, backend, measured)
+    add_engines(stage, 1 if backend == "vllm" else 0, host, work, "regeneration")
+    if backend == "hf":
+        stage.add("load the target in transformers", CPU_TARGET_LOAD_S, f"assumed ({CPU_TARGET_LOAD_S:.0f} s)")
+    stage.add(f"regenerate {tokens:,.0f} tokens at {rate:,.0f} tok/s", tokens / rate, basis)
+    stage.rate = ("regen", rate, basis, tokens / rate)
+
+
+def regen_rate(p: Params, work: Workload, host: Host, backend: str, measured: dict) -> tuple[float, str]:
+    if "regen" in measured:
+        return measured["regen"][0], f"measured ({measured['regen'][1]})"
+    if host.gpus:
+        context = p.data.max_length / 2
+        step = decode_step_s(host, work, REGEN_DECODE_BATCH, context, kv_bytes_per_token(p))
+        return REGEN_DECODE_BATCH / step, (
+            f"assumed decode-bandwidth model: {REGEN_DECODE_BATCH} sequences per step, each step reads the "
+            f"checkpoint's {work.checkpoint_bytes / 1e9:,.0f} GB (every expert at this batch) and their KV cache "
+            f"over {host.gpus} x {GPU_KINDS[host.gpu][1] / 1e12:g} TB/s at {HBM_EFFICIENCY:.0%} ({host.gpu}, {host.gpu_basis})")
+    ratio = target_speed_ratio(host, work)
+    if backend == "vllm":
+        value, basis = cpu_rate(host, "regen_vllm_tokens_per_s")
+    else:
+        value, basis = CPU_REGEN_HF_TOKENS_PER_S, "assumed (batched HF generate on the CPU)"
+    return value * ratio, basis + ("" if ratio == 1 else f"; x {ratio:.3f} for the target's size")
+
+
+def extract_stage(p: Params, work: Workload, host: Host, stage: Stage, measured: dict) -> None:
+    vllm = p.extract.backend == "vllm"
+    add_engines(stage, 1 if vllm else 0, host, work, "extraction; 03's vLLM fidelity check uses the same engine")
+    loads = (0 if vllm else 1) + (1 if fidelity_loads_target(p, work) else 0)   # transformers loads of the target
+    if loads:
+        seconds, basis = (work.checkpoint_bytes / 1e9 * ENGINE_LOAD_S_PER_GB, f"assumed ({ENGINE_LOAD_S_PER_GB} s/GB)") \
+            if host.gpus else (CPU_TARGET_LOAD_S, f"assumed ({CPU_TARGET_LOAD_S:.0f} s)")
+        stage.add(f"{loads} transformers load{'s' if loads > 1 else ''} of the target (extraction, fidelity check)",
+                  loads * seconds, basis)
+    if "extract" in measured:
+        rate, basis = measured["extract"][0], f"measured ({measured['extract'][1]})"
+        stage.add(f"extract {work.extract_tokens:,.0f} tokens at {rate:,.0f} tok/s", work.extract_tokens / rate, basis)
+        stage.rate = ("extract", rate, basis, work.extract_tokens / rate)
+        return
+    if host.gpus:
+        flops, _, _ = GPU_KINDS[host.gpu]
+        rate = host.gpus * flops * MFU_EXTRACT / (2 * work.active_params)
+        stage.add(f"prefill {work.extract_tokens:,.0f} tokens at {rate:,.0f} tok/s", work.extract_tokens / rate,
+                  f"assumed ({host.gpus} x {flops / 1e15:.2f} PFLOP/s bf16 at MFU {MFU_EXTRACT}, {host.gpu})")
+        gb = work.cache_bytes / 1e9
+        if vllm:
+            stage.add(f"connector saves {gb:,.0f} GB (one worker, synchronous)", work.cache_bytes / CONNECTOR_WRITE_BYTES_PER_S,
+                      f"assumed ({CONNECTOR_WRITE_BYTES_PER_S / 1e9:g} GB/s)")
+            stage.add(f"parent re-reads and re-writes {gb:,.0f} GB", work.cache_bytes / PARENT_COPY_BYTES_PER_S,
+                      f"assumed ({PARENT_COPY_BYTES_PER_S / 1e9:g} GB/s, one process)")
+        stage.add(f"writer's sha256 of {gb:,.0f} GB", work.cache_bytes / HASH_BYTES_PER_S,
+                  f"assumed ({HASH_BYTES_PER_S / 1e9:g} GB/s, one stream)")
+        seconds = sum(q.seconds for q in stage.parts[-4 if vllm else -2:])
+        stage.rate = ("extract", work.extract_tokens / seconds,
+                      "; ".join(q.basis for q in stage.parts[-4 if vllm else -2:]), seconds)
+        return
+    value, basis = cpu_rate(host, "extract_tokens_per_s")
+    ratio = target_speed_ratio(host, work)
+    rate = value * ratio
+    basis += "" if ratio == 1 else f"; x {ratio:.3f} for the target's size"
+    stage.add(f"extract {work.extract_tokens:,.0f} tokens at {rate:,.0f} tok/s", work.extract_tokens / rate, basis)
+    stage.rate = ("extract", rate, basis, work.extract_tokens / rate)
+
+
+def fidelity_loads_target(p: Params, work: Workload) -> bool:
+    """Whether 03's fidelity check loads the target in transformers (extract.fidelity hf, or auto
+    with a checkpoint that fits this machine's memory: extract.fidelity_plan's rule)."""
+    mode = getattr(p.extract, "fidelity", "hf")
+    if mode == "auto":
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return work.checkpoint_bytes <= memory
+    return mode == "hf"
+
+
+def verify_share(p: Params) -> tuple[float, str]:
+    """Share of the cache bytes hashed before training (train.verify_cache: full | sampled | sizes)."""
+    mode = getattr(p.train, "verify_cache", "full")
+    if mode == "sizes":
+        return 0.0, "sizes only"
+    if mode == "sampled":
+        return getattr(p.train, "verify_sample", 1.0), f"sampled ({getattr(p.train, 'verify_sample', 1.0):.0%})"
+    return 1.0, "full sha256"
+
+
+def train_stage(p: Params, work: Workload, host: Host, stage: Stage, measured: dict) -> None:
+    t = p.train
+    ranks = t.nproc if t.distributed != "none" else 1
+    stage.add("setup (imports, cache, drafter, target head)", TRAIN_SETUP_S, f"assumed ({TRAIN_SETUP_S:.0f} s)")
+    if ranks > 1 and not host.gpus:
+        stage.add(f"torchrun start ({ranks} ranks)", TORCHRUN_START_S, f"assumed ({TORCHRUN_START_S:.0f} s)")
+    share, how = verify_share(p)
+    if share:
+        gb = work.cache_bytes / 1e9 * share
+        stage.add(f"verify the cache ({how}, {gb:,.1f} GB over {ranks} rank{'s' if ranks > 1 else ''})",
+                  gb * VERIFY_SECONDS_PER_GB / ranks,
+                  f"assumed ({VERIFY_SECONDS_PER_GB} s/GB per hashing process until bench/verify.py is measured)")
+    if "train" in measured:
+        rate, basis = measured["train"][0], f"measured ({measured['train'][1]})"
+    else:
+        rate, basis = train_rate(p, host, work)
+    seconds = work.train_tokens / rate
+    stage.rate = ("train", rate, basis, seconds)
+    if t.time_budget_minutes is not None and 60 * t.time_budget_minutes < seconds:
+        stage.add(f"train (train.time_budget_minutes stops it at {t.time_budget_minutes:g} min)",
+                  60 * t.time_budget_minutes, f"train.time_budget_minutes; the rate: {basis}")
+    else:
+        stage.add(f"train {work.planned_steps:,} steps, {work.train_tokens:,.0f} tokens at {rate:,.0f} tok/s",
+                  seconds, basis)
+
+
+def decode_stage(p: Params, work: Workload, host: Host, stage: Stage, which: str) -> None:
+    """01 (which="ngram") or 05 ("eval"): eagle3lib's reference decoder (plain + methods) on
+    eval.decoder_prompts, and one vLLM engine per mode on eval.vllm_prompts (+ breadth groups in 05)."""
+    e = p.eval
+    n_prompts = min(e.num_prompts, p.data.num_eval)
+    new = e.max_new_tokens
+    runs_decoder = e.reference_decoder == "always" or (e.reference_decoder == "auto" and not host.gpus)
+    if runs_decoder:
+        methods = 1 + (2 * len(e.ngram_k) if which == "ngram" else 2)    # plain + the sweep / n-gram and EAGLE-3
+        prompts = min(e.decoder_prompts or n_prompts, n_prompts)
+        tokens = prompts * new * methods
+        rate, basis = cpu_rate(host, "decoder_tokens_per_s", (17.4, "assumed")) if not host.gpus else \
+            (1 / DECODE_STEP_FLOOR_S, "assumed (batch-1 decode-step floor)")
+        rate *= target_speed_ratio(host, work) if not host.gpus else 1.0
+        load = (CPU_TARGET_LOAD_S, f"assumed ({CPU_TARGET_LOAD_S:.0f} s)") if not host.gpus else \
+            (work.checkpoint_bytes / 1e9 * ENGINE_LOAD_S_PER_GB, f"assumed ({ENGINE_LOAD_S_PER_GB} s/GB)")
+        stage.add("load the target for eagle3lib's decoder", *load)
+        stage.add(f"eagle3lib decoder: {methods} methods x {prompts} prompts x {new} tokens at {rate:,.1f} tok/s",
+                  tokens / rate, basis)
+    modes = eval_modes(p, which)
+    if not modes:
+        return
+    add_engines(stage, len(modes), host, work, ", ".join(modes), eval_engine=True)
+    prompts = min(e.vllm_prompts or n_prompts, n_prompts)
+    if which == "eval":
+        temps = 1 + len(e.sample_temperatures)
+        groups = (1 + len(e.domains)) * temps - 1 if (e.domains or e.sample_temperatures) else 0
+        prompts += groups * e.breadth_prompts
+    if host.gpus:
+        plain = 1 / decode_step_s(host, work, 1, new, kv_bytes_per_token(p))
+        basis = (f"assumed decode-bandwidth model at batch 1: active weights over {host.gpus} x "
+                 f"{GPU_KINDS[host.gpu][1] / 1e12:g} TB/s, at least {DECODE_STEP_FLOOR_S * 1e3:.0f} ms per step; "
+                 f"speculative modes x {GPU_SPEC_SPEEDUP}")
+        speedup = GPU_SPEC_SPEEDUP
+    else:
+        plain, basis = cpu_rate(host, "vllm_decode_tokens_per_s")
+        plain *= target_speed_ratio(host, work)
+        basis += f"; speculative modes x {CPU_SPEC_SPEEDUP} (measured 1.38-1.58x, NOTES.md)"
+        speedup = CPU_SPEC_SPEEDUP
+    seconds = sum(prompts * new / (plain * (1 if m == "plain" else speedup)) for m in modes)
+    stage.add(f"vLLM: {len(modes)} modes x {prompts} prompts x {new} tokens (plain {plain:,.1f} tok/s)", seconds, basis)
+
+
+def scaling_stage(p: Params, work: Workload, host: Host) -> Stage:
+    """06: one training run per point on its chats for scaling.epochs, then one vLLM engine per point
+    (and plain) on the held-out prompts (optional: `eagle3 run --only scaling`)."""
+    stage = Stage(optional=True)
+    stage.add("notebook kernel start", *kernel_start(host))
+    rate, basis = train_rate(p, host, work)
+    tokens = sum(p.scaling.sizes) * work.tokens_per_chat * p.scaling.epochs
+    stage.add(f"train {len(p.scaling.sizes)} points ({sum(p.scaling.sizes):,} chats x {p.scaling.epochs:g} epochs)",
+              tokens / rate + TRAIN_SETUP_S * len(p.scaling.sizes), basis)
+    if p.scaling.vllm and p.eval.use_vllm:
+        add_engines(stage, 1 + len(p.scaling.sizes), host, work, "plain and each point", eval_engine=True)
+    return stage

@@ -1,0 +1,190 @@
+"""`eagle3 run --smoke`: the smoke slice of every shipped profile changes only sizes and takes the
+same branches as the profile (params level, fast); the ci and mini-kimi smoke runs complete through
+the CLI and leave stage times beside the plan's figures, and a resumed training leg, in metrics.json."""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import yaml
+
+from eagle3lib.files import read_json
+from eagle3lib.layout import RunLayout
+from eagle3lib.params import checkpoint_interval, load_params, max_warmup_steps, regen_cap_problem, repo_root
+from eagle3lib.smoke import SIZE_FIELDS, branches, changed_fields, checkpoint_format, smoke_params
+
+ROOT = repo_root()
+PROFILES = sorted(p.name for p in (ROOT / "params").glob("*.yaml"))
+
+
+def write_profile(folder: Path, parent: str, **sections) -> Path:
+    """A profile inheriting params/<parent> with its outputs under `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "p.yaml"
+    path.write_text(yaml.safe_dump({"inherit": str(ROOT / "params" / parent), "output_dir": str(folder / "out"),
+                                    "run_name": "t", **sections}))
+    return path
+
+
+# ---- params level: the same branches, only sizes changed --------------------------------------
+@pytest.mark.parametrize("name", PROFILES)
+def test_smoke_profile_changes_only_sizes_and_takes_the_same_branches(name):
+    full = load_params(ROOT / "params" / name)
+    smoke = smoke_params(full)
+    changed = changed_fields(full, smoke)
+    assert set(changed) <= SIZE_FIELDS, sorted(set(changed) - SIZE_FIELDS)
+    assert branches(smoke) == branches(full)
+    assert smoke.run_name == f"{full.run_name}-smoke" and smoke.output_dir == full.output_dir
+    # a slice: never more work than the full run, and a checkpoint before the last step (the resume leg)
+    assert smoke.train.max_steps <= (full.train.max_steps or 10**9) and smoke.train.max_steps <= 20
+    assert checkpoint_interval(smoke.train, smoke.train.max_steps) < smoke.train.max_steps and smoke.train.resume
+    assert smoke.data.num_train <= min(full.data.num_train or 10**9, 32)
+    assert smoke.data.num_eval <= min(full.data.num_eval, 8) and smoke.eval.num_prompts <= 8
+    assert smoke.eval.max_new_tokens <= 32 and smoke.train.warmup_steps <= max_warmup_steps(smoke.train.max_steps)
+    may_think = full.data.thinking != "off" and regen_cap_problem(full.data, thinking=True) is None
+    assert smoke.data.regen_max_new_tokens == full.data.regen_max_new_tokens if may_think \
+        else smoke.data.regen_max_new_tokens <= 32
+
+
+def test_b300_smoke_keeps_the_parallel_layout_and_reads_every_source():
+    full = load_params(ROOT / "params" / "b300.yaml")
+    smoke = smoke_params(full)
+    b = branches(smoke)
+    assert b["engine layout"] == {"tensor_parallel": 8, "data_parallel": 1, "expert_parallel": True,
+                                  "enforce_eager": False}
+    assert b["training"]["distributed"] == "fsdp" and b["training"]["processes"] == 8
+    assert b["checkpoint format"] == "dcp" and b["regeneration"] == "vllm" and b["extraction"]["backend"] == "vllm"
+    assert b["scaling study"]["on"] and b["reference decoder"] == "never"
+    # each listed source keeps a share of the records (a global cap would stop inside the first one)
+    assert len(full.data.source) >= 2
+    assert [s["path"] for s in smoke.data.source] == [s["path"] for s in full.data.source]
+    assert all(1 <= s["max_records"] <= 800 // len(full.data.source) for s in smoke.data.source)
+    assert smoke.scaling.sizes == [16, 32] and smoke.extract.shard_tokens < full.extract.shard_tokens
+
+
+def test_branches_see_what_a_wrong_slice_would_change():
+    """The check can fail: a slice that switched a backend, the world size, the checkpoint format or
+    a study off would differ in branches (and in a field outside SIZE_FIELDS)."""
+    full = load_params(ROOT / "params" / "mini-kimi.yaml")
+    wrong = [dataclasses.replace(full, extract=dataclasses.replace(full.extract, backend="hf")),
+             dataclasses.replace(full, train=dataclasses.replace(full.train, nproc=1)),
+             dataclasses.replace(full, data=dataclasses.replace(full.data, regen_backend="hf")),
+             dataclasses.replace(full, eval=dataclasses.replace(full.eval, use_vllm=True)),
+             dataclasses.replace(full, data=dataclasses.replace(full.data, regen_num_train=4))]
+    for w in wrong:
+        assert branches(w) != branches(full)
+    assert checkpoint_format(wrong[1]) == "safetensors" != checkpoint_format(full) == "dcp"
+    assert set(changed_fields(full, wrong[0])) == {"extract.backend"} and not {"extract.backend"} <= SIZE_FIELDS
+    ci = load_params(ROOT / "params" / "ci.yaml")
+    no_study = dataclasses.replace(ci, scaling=dataclasses.replace(ci.scaling, sizes=[]))
+    assert branches(no_study)["scaling study"]["on"] is False and branches(smoke_params(no_study)) == branches(no_study)
+
+
+def test_a_thinking_target_keeps_its_answer_cap_and_a_fraction_cadence_checkpoints_half_way(tmp_path):
+    """Thinking answers cut at 32 tokens would be refused (params.regen_cap_problem): the smoke slice
+    keeps the cap of a profile that may think; checkpoint_fraction (which replaces checkpoint_every)
+    is set to half the run, so the resume leg has its checkpoint."""
+    full = load_params(write_profile(tmp_path, "b300.yaml", data={"thinking": "on", "regen_max_new_tokens": 8192,
+                                                                  "max_length": 8192},
+                                     extract={"batch_tokens": 131072},
+                                     train={"checkpoint_fraction": 0.1, "warmup_fraction": 0.05}))
+    smoke = smoke_params(full)
+    assert smoke.data.regen_max_new_tokens == 8192 and smoke.data.thinking == "on"
+    assert smoke.train.checkpoint_fraction == 0.5 and smoke.train.warmup_fraction == 0.05
+    assert branches(smoke) == branches(full) and set(changed_fields(full, smoke)) <= SIZE_FIELDS
+    instant = smoke_params(load_params(write_profile(tmp_path, "b300.yaml", data={"thinking": "off"})))
+    assert instant.data.regen_max_new_tokens == 32
+
+
+def test_partial_regeneration_stays_partial_and_a_long_run_name_stays_valid(tmp_path):
+    full = load_params(write_profile(tmp_path, "local.yaml", run_name="r" * 100,
+                                     data={"regen_num_train": 500}))
+    smoke = smoke_params(full)
+    assert branches(full)["regeneration scope"] == "partial" == branches(smoke)["regeneration scope"]
+    assert 1 <= smoke.data.regen_num_train < smoke.data.num_train
+    assert len(smoke.run_name) == 100 and smoke.run_name.endswith("-smoke")
+
+
+def test_cli_smoke_refuses_a_bad_profile_before_any_work(tmp_path):
+    bad = write_profile(tmp_path, "ci.yaml", train={"lr": -1})
+    r = subprocess.run([sys.executable, "-m", "eagle3lib.cli", "run", "--params", str(bad), "--smoke"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and "train.lr: must be > 0" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_planned_seconds_read_the_plans_stage_model_and_format_smoke_shows_them():
+    from eagle3lib.runner import format_smoke, planned_seconds
+    p = load_params(ROOT / "params" / "ci.yaml")
+    plan = {"stages": {"data": {"seconds": 90.0, "optional": False,
+                                "parts": [{"name": "kernel", "seconds": 15.0, "basis": "assumed (15 s)"},
+                                          {"name": "regen", "seconds": 75.0, "basis": "measured (x)"}]}}}
+    assert planned_seconds(p, plan) == {"data": (90.0, "capacity plan: measured + assumed")}
+    report = {"stages": [{"stage": "data", "seconds": 120.0, "planned_smoke_s": 90.0, "planned_full_s": 7200.0,
+                          "planned_full_at_smoke_rates_s": None}],
+              "resume": {"checkpoint_format": "dcp", "resumed_from_step": 10, "steps": 20, "final_weights_equal": True},
+              "branches_equal_full_run": True}
+    text = format_smoke(report)
+    assert "data" in text and "2.0 min" in text and "2.0 h" in text and "step 10 -> step 20" in text
+
+
+# ---- the smoke runs, through the CLI (heavy: vLLM engines, notebooks) ------------------------
+ALL_STAGES = ["research", "ngram", "data", "extract", "train", "train-resume", "eval"]
+
+
+def run_cli_smoke(profile: Path, only: Optional[str] = None) -> tuple[subprocess.CompletedProcess, dict]:
+    r = subprocess.run([sys.executable, "-m", "eagle3lib.cli", "run", "--params", str(profile), "--smoke",
+                        "--no-html", *(["--only", only] if only else [])],
+                       capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    layout = RunLayout(load_params(profile).outputs_root() / "t-smoke")
+    return r, read_json(layout.metrics)
+
+
+def check_smoke_metrics(metrics: dict, full_steps: int, fmt: str, stages: list = ALL_STAGES) -> None:
+    """Every stage asked for ran, each with its time beside the plan's; training resumed."""
+    smoke = metrics["smoke"]
+    assert smoke["complete"] and smoke["branches_equal_full_run"] and smoke["failed_stage"] is None
+    rows = {r["stage"]: r for r in smoke["stages"]}
+    assert list(rows) == stages
+    assert all(r["seconds"] > 0 for r in rows.values())
+    for stage in ("data", "extract", "train"):
+        assert rows[stage]["planned_smoke_s"] > 0 and rows[stage]["planned_full_s"] >= rows[stage]["planned_smoke_s"]
+        assert rows[stage]["planned_full_at_smoke_rates_s"] > 0
+    assert {"regen_hours", "extract_hours", "train_hours"} <= set(smoke["plan_full_hours"])
+    resume = smoke["resume"]
+    assert resume["steps"] == full_steps and resume["resumed_from_step"] == full_steps // 2
+    assert resume["checkpoint_format"] == fmt
+    # the uninterrupted leg and the resumed one reach the same weights (train.py's resume contract)
+    assert resume["final_weights_equal"] is True
+    assert metrics["train"]["steps"] == full_steps and ("eval" not in stages or metrics["eval"])
+
+
+@pytest.mark.vllm
+def test_ci_smoke_run_completes_with_stage_times_and_the_plan(tmp_path):
+    """The stages the slice changes (01 and 05 run on ci as they are in nbval and the mini-kimi
+    smoke run below runs every stage): the sliced data, extraction, and training resumed once."""
+    profile = write_profile(tmp_path, "ci.yaml")
+    r, metrics = run_cli_smoke(profile, only="data,extract,train")
+    check_smoke_metrics(metrics, full_steps=12, fmt="safetensors", stages=["data", "extract", "train", "train-resume"])
+    assert "plan (full run)" in r.stdout and "resume: safetensors checkpoint of step 6 -> step 12" in r.stdout
+
+
+@pytest.fixture(scope="module")
+def kimi_dir(tmp_path_factory, smollm2_dir) -> Path:
+    from eagle3lib.tiny_targets import build_mini_kimi
+    return build_mini_kimi(tmp_path_factory.mktemp("models") / "mini-kimi", smollm2_dir)
+
+
+@pytest.mark.vllm
+def test_mini_kimi_smoke_run_completes_with_two_process_dcp_resume(tmp_path, kimi_dir):
+    profile = write_profile(tmp_path, "mini-kimi.yaml", target={"path": str(kimi_dir)})
+    _, metrics = run_cli_smoke(profile)
+    check_smoke_metrics(metrics, full_steps=20, fmt="dcp")
+    assert metrics["smoke"]["branches"]["extraction"]["backend"] == "vllm"
+    assert metrics["smoke"]["branches"]["regeneration"] == "vllm"
+    assert metrics["train"]["world_size"] == 2
