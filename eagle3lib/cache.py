@@ -419,12 +419,16 @@ def read_records(out_dir: Path, ident: dict) -> dict:
 
 def record_is_valid(out_dir: Path, rec: Optional[ShardRecord], plan: ShardPlan) -> bool:
     """A recorded shard counts as done if it holds the planned rows, its file still has the recorded
-    size, and no verification found it bad (verified.json). Its bytes are not hashed again here: the
-    writer hashed them before recording them, and re-reading them is verify_cache's job."""
+    size and sha256, and no verification found it bad. The sha256 is read again only for files no
+    verification has hashed as they are now (verified.json): a shard recorded by a run killed
+    mid-stage is checked, while 04's call on a verified 6 TB cache reads no bytes."""
     if rec is None or rec.seq_index != plan.seq_index or rec.file != plan.file:
         return False
     path = out_dir / plan.file
-    return path.is_file() and path.stat().st_size == rec.bytes and plan.file not in found_bad(out_dir)
+    if not path.is_file() or path.stat().st_size != rec.bytes or plan.file in found_bad(out_dir):
+        return False
+    verified = read_verified(out_dir)["hashed"].get(plan.file)
+    return _still_holds(verified, rec, _stat(path)) or file_sha256(path) == rec.sha256
 
 
 def merge_manifests(out_dir: Path, header: Optional[CacheHeader], own: dict, plans: list) -> Manifest:
