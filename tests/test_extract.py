@@ -167,12 +167,13 @@ def test_rerun_skips_finished_shards_unhashed_and_redoes_the_ones_verification_f
     P = make_params(tiny_target_dir, tmp_path)
     dataset.save_to_disk(str(P.layout().data_split("train")))     # where the data stage puts it
     first = extract_hidden_states(P, P.run_dir(), "train", progress=False)
+    assert check_cache(P, P.layout(), "train")        # verified once (04's training does this)
     hashed = []
     real_sha = hc.file_sha256
     monkeypatch.setattr(hc, "file_sha256", lambda path: hashed.append(Path(path).name) or real_sha(path))
     again = extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
     assert first["shards_written"] == first["num_shards"] and again["shards_written"] == 0
-    assert hashed == []                               # a rerun (04 calls the stage) reads no shard again
+    assert hashed == []                               # a rerun after verification reads no shard again
     out = P.layout().hidden("train")
     victim = out / "shard-00001.safetensors"
     data = bytearray(victim.read_bytes())
