@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -46,8 +45,9 @@ from .domains import domain_prompts, render_capped, render_prompt   # render_pro
 from .engine import engine_kwargs
 from .files import check_run_links
 from .layout import RunLayout
+from .params import host_memory_bytes
 from .progress import tqdm
-from .target import eos_ids, load_target, load_tokenizer, target_path
+from .target import checkpoint_weight_bytes, eos_ids, load_target, load_tokenizer, target_path
 from .verdict import PLAIN, best_method, breadth_verdict, ngram_verdict, row_of, verdict
 from .vllm_bench import mode, run_vllm
 
@@ -102,21 +102,6 @@ def load_eval_setup(P, run_dir, limit: Optional[int] = None) -> EvalSetup:
 # Whether eagle3lib's reference decoder can run: it loads the whole target in transformers on ONE
 # device (target.load_target: the CPU), which a ~0.6 TB Kimi-class checkpoint cannot fit.
 # ---------------------------------------------------------------------------------------------
-
-
-def checkpoint_weight_bytes(target_dir) -> Optional[int]:
-    """Sum of the checkpoint's *.safetensors file sizes (None when there are none): a lower bound on
-    what loading it takes (quantized weights decompressed to eval.dtype take more)."""
-    files = list(Path(target_dir).glob("*.safetensors"))
-    return sum(f.stat().st_size for f in files) if files else None
-
-
-def host_memory_bytes() -> Optional[int]:
-    """This machine's physical memory (the reference decoder's device), None where unknown."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def skip_reason(mode: str, weight_bytes: Optional[int], device_bytes: Optional[int],

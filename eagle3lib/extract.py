@@ -45,13 +45,12 @@ from .cache import (MANIFEST, CacheError, CacheHeader, CacheWriter, HiddenCache,
                     merge_manifests, plan_shards, read_manifest, read_records, record_is_valid, record_path,
                     shard_file_bytes, shard_temp)
 from .dist import Dist
-from .evaluate import checkpoint_weight_bytes, host_memory_bytes
 from .extract_vllm import open_vllm_backend
 from .files import atomic_write_bytes, check_run_links, update_metrics
 from .layout import RunLayout
-from .params import Params, ParamsError
+from .params import Params, ParamsError, host_memory_bytes
 from .progress import tqdm
-from .target import load_target, load_target_tensors, target_path, text_config, torch_dtype
+from .target import checkpoint_weight_bytes, load_target, load_target_tensors, target_path, text_config, torch_dtype
 
 
 # ---- the processed dataset --------------------------------------------------------------------

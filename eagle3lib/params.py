@@ -808,6 +808,14 @@ def _check_shape_values(shape: dict, key: str) -> None:
 NATIVE_BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}   # x86 AVX512-BF16 and AMX; Arm BF16
 
 
+def host_memory_bytes() -> Optional[int]:
+    """This machine's physical memory (Linux sysconf), None where unknown."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set:
     """The feature flags of this CPU (Linux); empty when they cannot be read."""
     try:

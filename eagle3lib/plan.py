@@ -31,7 +31,7 @@ import yaml
 from .chats import MalformedRecord, chat_hash, iter_raw_records, normalize_chat, path_sha256, sources_of, source_problem
 from .files import atomic_write_json, read_json, read_metrics
 from .layout import RunLayout
-from .params import (Params, ParamsError, checkpoint_interval, max_warmup_steps, planned_warmup, regen_cap_problem,
+from .params import (Params, ParamsError, host_memory_bytes, checkpoint_interval, max_warmup_steps, planned_warmup, regen_cap_problem,
                      warmup_problem)
 from .stage_times import KNOWN_CHECKPOINT_BYTES, Workload, drafter_flops_per_token, host_for, stage_seconds
 from .stats import DataStats, load_stats as load_data_stats
@@ -505,14 +505,6 @@ def _free_bytes(path: Path) -> tuple[float, Path]:
 
 def _tree_bytes(folder: Path) -> float:
     return float(sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())) if folder.is_dir() else 0.0
-
-
-def host_memory_bytes() -> float:
-    """Physical memory of this machine (Linux sysconf; 0 when unknown)."""
-    try:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 0.0
 
 
 def template_thinks(p: Params) -> Optional[bool]:

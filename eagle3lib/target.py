@@ -79,6 +79,13 @@ def materialize_embedded(models_dir: Path) -> Path:
     return out
 
 
+def checkpoint_weight_bytes(target_dir) -> Optional[int]:
+    """Sum of the checkpoint's *.safetensors file sizes (None when there are none): a lower bound on
+    what loading it takes (quantized weights decompressed to a wider dtype take more)."""
+    files = list(Path(target_dir).glob("*.safetensors"))
+    return sum(f.stat().st_size for f in files) if files else None
+
+
 def target_path(p: Params) -> Path:
     """The local folder of the target checkpoint (materialising the embedded default once)."""
     models_dir = p.outputs_root() / "models"
