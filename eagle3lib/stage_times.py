@@ -42,7 +42,7 @@ CPU_ENGINE_START_S = 45.0        # measured: one vLLM CPU engine at the default 
 CPU_EVAL_ENGINE_START_S = 10.0
 CPU_TARGET_LOAD_S = 5.0          # assumed: transformers loads a small target (SmolLM2-class) on the CPU
 CPU_REGEN_HF_TOKENS_PER_S = 200.0  # assumed: batched HF generate of a SmolLM2-class target
-# measured: 02 took 25 s for 3,036 chats with every answer already regenerated (NOTES, sixth session)
+# measured: 02 took 25 s for 3,036 chats with every answer already regenerated (NOTES.md, 2026-12-03)
 DATA_PREP_S_PER_CHAT = 25.0 / 3036
 TRAIN_SETUP_S = 15.0             # assumed: torch import, cache and vocab load, drafter and target head build
 TORCHRUN_START_S = 20.0          # assumed: torchrun and one process group per extra rank
