@@ -60,8 +60,8 @@ pipeline: setup
 # (the notebooks' default parameters), in order, in a fresh outputs/ci run.
 test: setup
 	rm -rf outputs/ci
-	$(PY) -m pytest -q --durations=15 tests
-	$(PY) -m pytest -q --nbval-lax -p no:randomly notebooks
+	$(PY) -m pytest -q --durations=40 tests
+	$(PY) -m pytest -q --durations=15 --nbval-lax -p no:randomly notebooks
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not vllm and not slow" tests

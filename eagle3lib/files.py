@@ -110,22 +110,26 @@ class UnsafeLink(ValueError):
     """A symlink inside a run folder points outside it: a stage would write or delete there."""
 
 
-def check_run_links(run_dir: str | os.PathLike) -> None:
-    """Refuse a run folder holding a symlink (at any depth) whose target lies outside the folder.
+def check_run_links(run_dir: str | os.PathLike, within: str | os.PathLike | None = None) -> None:
+    """Refuse a run folder holding a symlink (at any depth) whose target lies outside `within`
+    (default: the run folder itself).
 
     Stages write and delete below the run folder (data/, hidden/, train/, ...); a link there would
-    carry those writes and deletes elsewhere. Links that stay inside the folder (06_scaling's
-    points link data/ and hidden/ to the run's own) are fine. Links are not followed while walking."""
+    carry those writes and deletes elsewhere. Links that stay inside are fine: a 06_scaling point
+    (<run>/scaling/<point>) links data/ and hidden/ to its run's own and is checked with
+    within=<run>. Links are not followed while walking."""
     root = Path(run_dir)
     if not root.is_dir():
         return
-    real_root = root.resolve()
+    real_root = Path(within if within is not None else run_dir).resolve()
+    if not (root.resolve() == real_root or real_root in root.resolve().parents):
+        raise ValueError(f"check_run_links: {root} is not inside {within}")
     for folder, dirs, files in os.walk(root):
         for name in dirs + files:
             entry = Path(folder) / name
             if entry.is_symlink() and real_root not in entry.resolve().parents:
                 raise UnsafeLink(f"{entry} is a link to {os.readlink(entry)} (resolves to {entry.resolve()}), "
-                                 f"outside the run folder {root}: stages would write or delete there. "
+                                 f"outside the run folder {real_root}: stages would write or delete there. "
                                  f"Remove the link (rm {entry}) or make it a real folder, then rerun")
 
 

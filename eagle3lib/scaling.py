@@ -94,7 +94,8 @@ def train_point(P: Params, L: RunLayout, n: int, progress: bool = True, variant:
         raise ValueError("a variant needs both a name and its train changes (and the study's points neither)")
     point = point_layout(L, n, variant)
     main_steps = None if P.train.max_steps or P.train.warmup_fraction is not None else main_run_steps(P, L)
-    summary = train(point_params(P, n, main_steps, **train_changes), point.root, progress=progress)
+    summary = train(point_params(P, n, main_steps, **train_changes), point.root, progress=progress,
+                    links_within=L.root)
     ev = summary["eval"] or {}
     return {"chats": n, "steps": summary["steps"], "epochs": round(summary["epochs_done"], 3),
             "train_sequences": summary["train_sequences"],

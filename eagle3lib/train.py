@@ -637,16 +637,19 @@ def finish(run: TrainRun, stopped_by: str, tokens_seen: float, seconds: float) -
     return summary
 
 
-def train(P: Params, run_dir, progress: bool = True, callback: Optional[Callable] = None) -> dict:
+def train(P: Params, run_dir, progress: bool = True, callback: Optional[Callable] = None,
+          links_within=None) -> dict:
     """Train (or resume) the drafter of run `run_dir`; returns a summary dict.
 
     callback(record) is called on rank 0 after every optimizer step with the step's record
     (step, lr, loss, grad norm, per-step loss/acc, tokens/s, and `eval` when an eval ran at that
     step). Raises FloatingPointError on a non-finite loss and TrainingDiverged when the
     divergence guard trips (DivergenceGuard); ParamsError before any work when the profile states
-    train.gpu_memory_gb and the memory model says a step does not fit (memory.check_fits)."""
+    train.gpu_memory_gb and the memory model says a step does not fit (memory.check_fits).
+    links_within: the folder links in `run_dir` may point into (default `run_dir`; a 06_scaling
+    point passes its enclosing run, whose data/ and hidden/ it links to)."""
     check_fits(P)
-    check_run_links(run_dir)       # no write or delete may go through a link out of the run
+    check_run_links(run_dir, links_within)   # no write or delete may go through a link out of the run
     dist = Dist(timeout_minutes=P.train.pg_timeout_minutes)
     try:
         if dist.world > 1 and P.train.distributed == "none":

@@ -214,6 +214,11 @@ def test_check_run_links_refuses_links_out_and_allows_links_inside(tmp_path):
     point.mkdir(parents=True)
     (point / "data").symlink_to(Path("..") / ".." / "data")      # 06_scaling's links stay inside
     check_run_links(run)
+    check_run_links(point, within=run)           # the point trains on its own, its links in the run
+    with pytest.raises(UnsafeLink, match="outside the run folder"):
+        check_run_links(point)                   # without `within` the point's own folder is the bound
+    with pytest.raises(ValueError, match="is not inside"):
+        check_run_links(run, within=point)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (run / "hidden").symlink_to(elsewhere)

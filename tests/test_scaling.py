@@ -58,6 +58,25 @@ def test_a_point_folder_links_the_runs_data_and_cache_and_refuses_a_stranger(tmp
         sc.point_layout(L, 500)
 
 
+def test_a_point_passes_the_training_stage_link_check(tmp_path, monkeypatch):
+    """A point's data/ and hidden/ link into its run, outside the point's own folder; training the
+    point must accept them (the link guard once refused every point, failing 06 under nbval)."""
+    import eagle3lib.train as train_module
+
+    class PastTheLinkCheck(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise PastTheLinkCheck
+    monkeypatch.setattr(train_module, "Dist", stop)        # the first step after the link check
+    P = load_params("params/ci.yaml", {"output_dir": str(tmp_path / "outputs")})
+    L = P.layout()
+    L.data.mkdir(parents=True)
+    L.hidden("train").mkdir(parents=True)
+    with pytest.raises(PastTheLinkCheck):
+        sc.train_point(P, L, 8)
+
+
 @pytest.mark.parametrize("text, match", [
     ("scaling: {sizes: [500, 250]}", "scaling.sizes: must be distinct positive chat counts in ascending order"),
     ("scaling: {sizes: [0, 250]}", "scaling.sizes"),
