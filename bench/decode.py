@@ -13,20 +13,17 @@ outputs/bench/decode.json.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eagle3lib.decode import random_drafter  # noqa: E402
-from eagle3lib.evaluate import eval_prompts, vllm_modes  # noqa: E402
-from eagle3lib.export import export_vllm  # noqa: E402
-from eagle3lib.files import atomic_write_json  # noqa: E402
-from eagle3lib.params import load_params  # noqa: E402
-from eagle3lib.target import load_tokenizer, target_path  # noqa: E402
-from eagle3lib.vllm_bench import run_vllm  # noqa: E402
+from eagle3lib.decode import random_drafter
+from eagle3lib.evaluate import eval_prompts, vllm_modes
+from eagle3lib.export import export_vllm
+from eagle3lib.files import atomic_write_json
+from eagle3lib.params import load_params
+from eagle3lib.target import load_tokenizer, target_path
+from eagle3lib.vllm_bench import run_vllm
 
 
 def random_export(target_dir: Path, out: Path, k: int, draft_vocab_size: int) -> Path:
@@ -72,7 +69,8 @@ def main(argv=None) -> None:
     print(f"drafter: {drafter_note}")
     if skipped:
         print(f"({skipped} held-out prompts skipped: longer than eval.max_prompt_tokens)")
-    print(f"\n{'mode':<16}{'decode tok/s':>14}{'e2e tok/s':>11}{'speedup':>9}{'accept len':>12}  per-position acceptance")
+    print(f"\n{'mode':<16}{'decode tok/s':>14}{'e2e tok/s':>11}{'speedup':>9}{'accept len':>12}"
+          "  per-position acceptance")
     for m in rows:
         speed = m["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
         per_pos = " ".join(f"{x:.2f}" for x in m["per_position_acceptance"]) or "-"

@@ -1,5 +1,5 @@
 """A smaller draft vocabulary in vLLM: tokens/s and acceptance of a trained drafter's head cut to the
-most frequent N of its draft tokens (issue 18, item 4).
+most frequent N of its draft tokens (NOTES.md, Decisions: Draft vocabulary size).
 
 The drafter's lm_head is its largest matrix (8,192 x 576 of its 10.4 M parameters on local) and runs
 at every draft step, so a smaller draft vocabulary makes each step cheaper and can propose fewer
@@ -27,15 +27,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eagle3lib import scaling as sc  # noqa: E402
-from eagle3lib.export import export_layout, export_vllm, load_export  # noqa: E402
-from eagle3lib.extract import load_split  # noqa: E402
-from eagle3lib.params import load_params, repo_root  # noqa: E402
-from eagle3lib.report import git_commit, machine_info  # noqa: E402
-from eagle3lib.target import target_path  # noqa: E402
-from eagle3lib.vocab import count_assistant_tokens, coverage, shrink_draft_vocab  # noqa: E402
+from eagle3lib import scaling as sc
+from eagle3lib.export import export_layout, export_vllm, load_export
+from eagle3lib.extract import load_split
+from eagle3lib.params import load_params, repo_root
+from eagle3lib.report import git_commit, machine_info
+from eagle3lib.target import target_path
+from eagle3lib.vocab import count_assistant_tokens, coverage, shrink_draft_vocab
 
 
 def answer_counts(layout, split: str, vocab_size: int):

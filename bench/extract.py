@@ -19,18 +19,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eagle3lib.extract import HiddenStateCapture, extract_hidden_states  # noqa: E402
-from eagle3lib.params import load_params  # noqa: E402
-from eagle3lib.target import load_target, target_path, torch_dtype  # noqa: E402
+from eagle3lib.extract import HiddenStateCapture, extract_hidden_states
+from eagle3lib.params import load_params
+from eagle3lib.target import load_target, target_path, torch_dtype
 
 
 def timed(fn) -> tuple:

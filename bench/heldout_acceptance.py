@@ -17,17 +17,14 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eagle3lib.export import load_drafter  # noqa: E402
-from eagle3lib.cache import HiddenCache  # noqa: E402
-from eagle3lib.objective import acceptance_estimate, build_scoring, replay_chain  # noqa: E402
-from eagle3lib.params import load_params  # noqa: E402
-from eagle3lib.target import target_path  # noqa: E402
+from eagle3lib.cache import HiddenCache
+from eagle3lib.export import load_drafter
+from eagle3lib.objective import acceptance_estimate, build_scoring, replay_chain
+from eagle3lib.params import load_params
+from eagle3lib.target import target_path
 
 
 def main(argv=None) -> int:

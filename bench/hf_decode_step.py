@@ -10,15 +10,12 @@ vLLM's regeneration rate in 02_data (NOTES.md).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eagle3lib.target import load_target  # noqa: E402
+from eagle3lib.target import load_target
 
 
 def decode_step_seconds(model, batch: int, context: int, steps: int) -> float:

@@ -1,4 +1,4 @@
-"""Speculation length k for EAGLE-3 and n-gram in vLLM, on a finished run (issue 18, item 4).
+"""Speculation length k for EAGLE-3 and n-gram in vLLM, on a finished run (NOTES.md, Decisions: Speculation length k).
 
 For the run's exported drafter (outputs/<run>/export/, written by 05_eval) and the run's held-out
 prompts, one vLLM subprocess decodes plain, then n-gram and EAGLE-3 at every --k, one request at a
@@ -18,13 +18,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eagle3lib import evaluate as ev  # noqa: E402
-from eagle3lib.params import load_params, repo_root  # noqa: E402
-from eagle3lib.report import git_commit, machine_info  # noqa: E402
-from eagle3lib.target import load_tokenizer, target_path  # noqa: E402
-from eagle3lib.vllm_bench import mode  # noqa: E402
+from eagle3lib import evaluate as ev
+from eagle3lib.params import load_params, repo_root
+from eagle3lib.report import git_commit, machine_info
+from eagle3lib.target import load_tokenizer, target_path
+from eagle3lib.vllm_bench import mode
 
 
 def sweep_modes(P, export_dir: Path, ks: list) -> list:

@@ -16,18 +16,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eagle3lib.memory import drafter_config, estimate, format_estimate, meta_batch  # noqa: E402
-from eagle3lib.model import Eagle3Drafter  # noqa: E402
-from eagle3lib.objective import TTTObjective  # noqa: E402
-from eagle3lib.params import load_params  # noqa: E402
+from eagle3lib.memory import drafter_config, estimate, format_estimate, meta_batch
+from eagle3lib.model import Eagle3Drafter
+from eagle3lib.objective import TTTObjective
+from eagle3lib.params import load_params
 
 
 def profile(attention: str, checkpointing: bool, nproc: int):

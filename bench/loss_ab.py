@@ -18,17 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eagle3lib import scaling as sc  # noqa: E402
-from eagle3lib.objective import LOSS_CHOICES  # noqa: E402
-from eagle3lib.params import load_params, repo_root  # noqa: E402
-from eagle3lib.report import git_commit, machine_info  # noqa: E402
-from eagle3lib.target import target_path  # noqa: E402
+from eagle3lib import scaling as sc
+from eagle3lib.objective import LOSS_CHOICES
+from eagle3lib.params import load_params, repo_root
+from eagle3lib.report import git_commit, machine_info
+from eagle3lib.target import target_path
 
 
 def main(argv=None) -> int:

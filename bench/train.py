@@ -34,13 +34,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eagle3lib.dist import Dist  # noqa: E402
-from eagle3lib.model import Eagle3Config, Eagle3Drafter  # noqa: E402
-from eagle3lib.objective import TargetHead, TTTObjective, autocast_for, prepare_batch  # noqa: E402
-from eagle3lib.params import TrainParams  # noqa: E402
-from eagle3lib.train import make_optimizers_for, muon_optimizer, optimizer_step  # noqa: E402
+from eagle3lib.dist import Dist
+from eagle3lib.model import Eagle3Config, Eagle3Drafter
+from eagle3lib.objective import TargetHead, TTTObjective, autocast_for, prepare_batch
+from eagle3lib.params import TrainParams
+from eagle3lib.train import make_optimizers_for, muon_optimizer, optimizer_step
 
 DEFAULT_VARIANTS = ["fp32-mask", "fp32-merge", "fp32-manual", "fp32-chunked", "fp32-manual-ckpt", "fp32-manual-muon",
                     "bf16-mask", "bf16-merge", "bf16-manual", "bf16-chunked",
@@ -69,7 +67,8 @@ def one_variant(name: str, steps: int, warmup: int, seq: int, batch_tokens: int,
                     optimizer="muon" if {"muon", "muontorch"} & set(parts) else "adamw")
     optimizers = make_optimizers_for(objective, t)
     if "muontorch" in parts:          # what the trainer builds for bf16 training: torch.optim.Muon (bf16 Newton-Schulz)
-        optimizers[0] = muon_optimizer(optimizers[0].param_groups[0]["params"], dataclasses.replace(t, dtype="bfloat16"))
+        optimizers[0] = muon_optimizer(optimizers[0].param_groups[0]["params"],
+                                       dataclasses.replace(t, dtype="bfloat16"))
     amp = autocast_for(t.dtype, "cpu")                                    # as the trainer's
     dist = Dist()                                                         # one process: rank 0 of 1
 
@@ -99,7 +98,8 @@ def one_variant(name: str, steps: int, warmup: int, seq: int, batch_tokens: int,
     return {"variant": name, "tokens_per_step": tokens, "median_step_s": per_step,
             "tokens_per_s": tokens / per_step, "best_tokens_per_s": tokens / min(times),
             "label_share": sorted(label_times)[len(label_times) // 2] / per_step,
-            "first_step_s": first, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "loss": loss,
+            "first_step_s": first, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "loss": loss,
             "threads": torch.get_num_threads()}
 
 
@@ -146,7 +146,8 @@ def main():
     out = Path(a.out) if a.out else Path(__file__).resolve().parents[1] / "outputs" / "bench" / "train.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(a), "cpu_count": os.cpu_count(), "loadavg_end": load,
-                               "omp_wait_policy": None if a.omp_active else os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+                               "omp_wait_policy": (None if a.omp_active
+                                                   else os.environ.get("OMP_WAIT_POLICY", "PASSIVE")),
                                "results": results}, indent=2))
     print(f"load average at the end: {load} (the CPU is shared: numbers are noisy) -> {out}")
 

@@ -17,18 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eagle3lib.files import remove_tree  # noqa: E402
-from eagle3lib.params import load_params  # noqa: E402
-from eagle3lib.train import train  # noqa: E402
+from eagle3lib.files import remove_tree
+from eagle3lib.params import load_params
+from eagle3lib.train import train
 
 
 def parse_variant(text: str) -> tuple:

@@ -29,10 +29,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eagle3lib import cache as hc  # noqa: E402
-from eagle3lib.params import load_params  # noqa: E402
+from eagle3lib import cache as hc
+from eagle3lib.params import load_params
 
 HIDDEN = 1024          # synthetic states: bf16 aux [n, 3, H] + final [n, H] = 8 KB per token
 

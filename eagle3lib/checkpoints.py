@@ -34,10 +34,15 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 
 from .dist import Dist
 from .files import atomic_dir, atomic_write_json, read_json, remove_tree
@@ -87,7 +92,8 @@ def _prune(ckpt_root: Path) -> None:
         remove_tree(stale, under=ckpt_root, ignore_errors=True)
 
 
-def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizers: list, meta: dict, dist: Dist) -> Optional[Path]:
+def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizers: list, meta: dict,
+                    dist: Dist) -> Optional[Path]:
     """checkpoints/step-XXXXXX (see the module docstring); every rank calls it. Returns the folder
     (None on ranks > 0 of a single-file checkpoint)."""
     meta = {**meta, "step": step, "world_size": dist.world}

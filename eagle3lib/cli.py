@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .files import MetricsError, RunLocked, UnsafeLink
 from .fingerprint import TargetMismatch
+from .layout import RunLayout
 from .params import ParamsError, check_run_name, dump, load_params, repo_root
 
 
@@ -48,7 +49,10 @@ def main(argv=None) -> int:
         elif args.cmd == "plan":
             from .plan import capacity_plan, format_plan, measured_stats
             p = load_params(args.params)
-            print(format_plan(capacity_plan(p, measured_stats(p.layout()))))
+            plan = capacity_plan(p, measured_stats(p.layout()))
+            print(format_plan(plan))
+            if any(level == "refuse" for level, _, _ in plan["problems"]):
+                return 4                    # `eagle3 run` would refuse this profile (the REFUSED rows)
         elif args.cmd == "compare":
             compare(args.runs, args.outputs, args.plot)
         elif args.cmd == "run":
@@ -68,7 +72,13 @@ def main(argv=None) -> int:
 
 def run_command(args) -> int:
     """`eagle3 run`: the notebooks in order (or the smoke run); 1 when a notebook fails."""
-    from .runner import NotebookFailed, RunInterrupted, format_smoke, run_pipeline, run_smoke   # papermill: only for `run`
+    from .runner import (  # papermill: only for `run`
+        NotebookFailed,
+        RunInterrupted,
+        format_smoke,
+        run_pipeline,
+        run_smoke,
+    )
     if args.run_name is not None:
         check_run_name(args.run_name, "--run-name")
     report = None
@@ -92,10 +102,10 @@ def run_command(args) -> int:
 
 def compare(runs: list, outputs=None, plot=None) -> None:
     """Print the markdown tables of report.compare_runs; save the training curves to `plot`."""
-    from .report import compare_runs, markdown_table, plot_training_curves   # pandas/matplotlib: only here
+    from .report import compare_runs, markdown_table, plot_training_curves  # pandas/matplotlib: only here
     root = Path(outputs) if outputs else repo_root() / "outputs"
     folders = [root / r if (root / r).is_dir() else Path(r) for r in runs]
-    missing = [str(f) for f in folders if not (f / "metrics.json").is_file()]
+    missing = [str(f) for f in folders if not RunLayout(f).metrics.is_file()]
     if missing:
         raise FileNotFoundError(f"no metrics.json in {', '.join(missing)}: name runs under {root} "
                                 "(or give run folders), each run by `eagle3 run` at least in part")

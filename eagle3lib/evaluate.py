@@ -39,18 +39,16 @@ import pandas as pd
 import torch
 
 from .data import load_eval_prompts
-from .decode import (DecodeStats, Eagle3Proposer, NgramProposer, NoProposer, greedy_generate,
-                     speculative_generate)
-from .domains import domain_prompts, render_capped, render_prompt   # render_prompt: the chat template -> token ids
+from .decode import DecodeStats, Eagle3Proposer, NgramProposer, NoProposer, greedy_generate, speculative_generate
+from .domains import domain_prompts, render_capped  # render_prompt: the chat template -> token ids
 from .engine import engine_kwargs
 from .files import check_run_links
 from .layout import RunLayout
 from .params import host_memory_bytes
 from .progress import tqdm
 from .target import checkpoint_weight_bytes, eos_ids, load_target, load_tokenizer, target_path
-from .verdict import PLAIN, best_method, breadth_verdict, ngram_verdict, row_of, verdict
+from .verdict import PLAIN, best_method, breadth_verdict, eagle3_verdict, ngram_verdict, row_of
 from .vllm_bench import mode, run_vllm
-
 
 # ---------------------------------------------------------------------------------------------
 # Prompts
@@ -111,7 +109,8 @@ def skip_reason(mode: str, weight_bytes: Optional[int], device_bytes: Optional[i
     if mode == "always":
         return None
     if mode == "never":
-        return "eval.reference_decoder is 'never' (the profile turns eagle3lib's reference decoder off; see its comment)"
+        return ("eval.reference_decoder is 'never' (the profile turns eagle3lib's reference decoder off; "
+                "see its comment)")
     if mode != "auto":
         raise ValueError(f"eval.reference_decoder must be auto, always or never, got {mode!r}")
     if weight_bytes is None or device_bytes is None or weight_bytes <= device_bytes:
@@ -524,7 +523,7 @@ def check_acceptance_agrees(per_prompt, vllm_raw: dict, prompts: list, P) -> str
         if m["method"] == PLAIN or mine.empty:
             continue
         if m.get("per_prompt") is None:
-            return f"eagle3lib/vLLM acceptance comparison not asserted: vLLM ran batched (no per-prompt counts)"
+            return "eagle3lib/vLLM acceptance comparison not asserted: vLLM ran batched (no per-prompt counts)"
         n = min(len(mine), len(m["per_prompt"]))
         totals = [0, 0, 0, 0]     # eagle3lib accepted, drafts; vLLM accepted, drafts
         for (_, row), theirs, prompt in zip(mine.iloc[:n].iterrows(), m["per_prompt"][:n], prompts[:n]):
@@ -611,9 +610,10 @@ def eval_metrics(summary, vllm_summary, setup: "EvalSetup", export_dir, eagle3: 
            "speedup_eagle3lib_eagle3": pick(summary, eagle3, "speedup"),
            "speedup_eagle3lib_ngram": pick(summary, ngram, "speedup"),
            "acceptance_length_eagle3lib_ngram": pick(summary, ngram, "acceptance_length"),
-           "lossless_eagle3lib": str(row_of(summary, eagle3)["lossless"]) if row_of(summary, eagle3) is not None else None,
+           "lossless_eagle3lib": (str(row_of(summary, eagle3)["lossless"])
+                                  if row_of(summary, eagle3) is not None else None),
            "eagle3lib": table_metrics(summary),
-           "verdict": verdict(summary, vllm_summary, eagle3=eagle3, ngram=ngram)}
+           "verdict": eagle3_verdict(summary, vllm_summary, eagle3=eagle3, ngram=ngram)}
     if vllm_summary is not None and not vllm_summary.empty:
         out.update(acceptance_length_vllm=pick(vllm_summary, eagle3, "acceptance_length"),
                    per_position_acceptance_vllm=pick(vllm_summary, eagle3, "per_position_acceptance"),

@@ -112,7 +112,8 @@ def _build_drafter(cls, config, state: dict, target_path, source: str):
     d2t = state.get("d2t")
     if d2t is None:
         if Dv != V:
-            raise ValueError(f"{source}: no d2t although the draft vocabulary ({Dv}) is smaller than the target's ({V})")
+            raise ValueError(f"{source}: no d2t although the draft vocabulary ({Dv}) is smaller than the "
+                             f"target's ({V})")
         d2t = torch.zeros(Dv, dtype=torch.int64)
     t2d = state.get("t2d")
     if t2d is None:

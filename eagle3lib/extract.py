@@ -15,7 +15,8 @@ content fingerprint), plan the shards (cache.plan_shards, fixed before any work)
 that the manifest records, whose size still matches and that no verification found bad
 (cache.record_is_valid: the writer hashed them; re-reading them is cache.verify_cache's job, once
 per cache), compute and write the others
-(cache.CacheWriter), merge the manifest. A run killed at any moment and restarted gives the same
+(cache.CacheWriter), merge the manifest, verify the cache (train.verify_cache; 04 then finds it
+verified and reads nothing). A run killed at any moment and restarted gives the same
 bytes as an uninterrupted one. Under torchrun, rank r writes shards r, r+W, r+2W, ... and records
 them in its own `manifest.part-XXXXX.json`; rank 0 merges the parts after a barrier.
 
@@ -41,9 +42,25 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
-from .cache import (MANIFEST, CacheError, CacheHeader, CacheWriter, HiddenCache, Manifest, identity,
-                    merge_manifests, plan_shards, read_manifest, read_records, record_is_valid, record_path,
-                    shard_file_bytes, shard_temp)
+from .cache import (
+    MANIFEST,
+    ST_DTYPES,
+    CacheError,
+    CacheHeader,
+    CacheWriter,
+    HiddenCache,
+    Manifest,
+    identity,
+    merge_manifests,
+    plan_shards,
+    read_manifest,
+    read_records,
+    record_is_valid,
+    record_path,
+    shard_file_bytes,
+    shard_temp,
+    verify_cache,
+)
 from .dist import Dist
 from .extract_vllm import open_vllm_backend
 from .files import atomic_write_bytes, check_run_links, update_metrics
@@ -79,7 +96,8 @@ def scan_dataset(ds: Dataset) -> DatasetScan:
         bad = np.nonzero(n_ids != n_mask)[0]
         if len(bad):
             r = row + int(bad[0])
-            raise ValueError(f"processed dataset row {r}: {n_ids[bad[0]]} input_ids but {n_mask[bad[0]]} loss_mask values")
+            raise ValueError(f"processed dataset row {r}: {n_ids[bad[0]]} input_ids but {n_mask[bad[0]]} "
+                             "loss_mask values")
         flat_ids = pc.list_flatten(ids).to_numpy(zero_copy_only=False).astype(np.int64)
         flat_mask = pc.list_flatten(mask).to_numpy(zero_copy_only=False).astype(np.int64)
         if flat_ids.size:
@@ -391,9 +409,35 @@ def extract_hidden_states(P: Params, run, split: str = "train", model=None, prog
             finally:
                 backend.close()
         manifest = _merge(out_dir, header, done, plans, dist)
+        # The cache's one verification (train.verify_cache), split over the writers: it records
+        # verified.json, so 04 and any rerun of this stage read no shard again while it holds.
+        verify_cache(HiddenCache(out_dir), P.train.verify_cache, P.train.verify_sample, P.seed, dist)
     finally:
         dist.close()
-    return _summary(split, out_dir, plans, mine, todo, scan, manifest, elapsed, dist)
+    summary = _summary(split, out_dir, plans, mine, todo, scan, manifest, elapsed, dist)
+    if dist.rank == 0:
+        record_extract_metrics(layout, summary)
+    return summary
+
+
+def record_extract_metrics(layout: RunLayout, summary: dict) -> dict:
+    """metrics.json's "extract" section after one split: its sequences, tokens and bytes; for the
+    train split also bytes per token against the states alone (dtype x 4H), the cache dtype and aux
+    layers and the extraction speed (when shards were computed); cache_bytes once both splits exist."""
+    split = summary["split"]
+    values = {f"{split}_sequences": summary["num_sequences"], f"{split}_tokens": summary["num_tokens"],
+              f"{split}_cache_bytes": summary["bytes_total"]}
+    if split == "train":
+        values.update(bytes_per_token=round(summary["bytes_per_token"], 2),
+                      state_bytes_per_token=ST_DTYPES[summary["dtype"]][1] * 4 * summary["hidden_size"],
+                      aux_layers=summary["aux_layers"], dtype=summary["dtype"])
+        if summary["tokens_per_s"]:      # None when every shard was already cached
+            values["tokens_per_s"] = round(summary["tokens_per_s"], 1)
+    section = update_metrics(layout.root, "extract", values)["extract"]
+    if "train_cache_bytes" in section and "eval_cache_bytes" in section:
+        section = update_metrics(layout.root, "extract", {
+            "cache_bytes": section["train_cache_bytes"] + section["eval_cache_bytes"]})["extract"]
+    return section
 
 
 def _prepare_out_dir(out_dir: Path, rank: int):

@@ -43,7 +43,7 @@ from safetensors.torch import load_file
 from .cache import CacheError
 from .engine import engine_env, engine_kwargs
 from .params import Params, ParamsError
-from .target import _weight_map, text_config
+from .target import _weight_map
 from .vllm_bench import subprocess_env
 
 STAGE = "extract (backend vllm)"
@@ -249,7 +249,7 @@ def vllm_support_error(version: str, has_connector: bool) -> Optional[str]:
 def architecture_error(model_path: str, trust_remote_code: bool) -> Optional[str]:
     """Why vLLM cannot run this checkpoint's architecture (None: it can). vLLM's Transformers fallback
     does not count: extract_hidden_states needs the model's own aux-hidden-state support."""
-    from vllm import ModelRegistry   # lazy: vLLM is imported in this child process only
+    from vllm import ModelRegistry  # lazy: vLLM is imported in this child process only
     cfg = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
     archs = list(dict.fromkeys((cfg.get("architectures") or []) +
                                (cfg.get("text_config", {}).get("architectures") or [])))
@@ -269,8 +269,8 @@ def _connector_class():
     slots are gathered and saved synchronously, the request's lock file is released (so readers
     waiting on it proceed, as with the stock class), and a completed stand-in event is recorded
     so the base class's get_finished reports the request done and its KV blocks are freed."""
-    from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as ehs
     from safetensors.torch import save_file
+    from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as ehs
 
     class _Done:
         def query(self) -> bool:
@@ -315,7 +315,7 @@ def _wait_for_file(path: str) -> None:
 
 
 def _make_llm(spec: dict):
-    from vllm import LLM   # lazy: vLLM is imported in this child process only
+    from vllm import LLM  # lazy: vLLM is imported in this child process only
     return LLM(**spec["engine"],
                speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                    "draft_model_config": {"hf_config": {
@@ -336,7 +336,7 @@ def _top2_of(position: dict) -> tuple:
 
 def _top2(llm, rows: list) -> list:
     """The target's top-2 next tokens at every position of each row, from the same engine."""
-    from vllm import SamplingParams   # lazy: vLLM is imported in this child process only
+    from vllm import SamplingParams  # lazy: vLLM is imported in this child process only
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2, prompt_logprobs=2)
     outs = llm.generate([{"prompt_token_ids": r} for r in rows], params, use_tqdm=False)
     answer = []
@@ -354,7 +354,7 @@ def _top2(llm, rows: list) -> list:
 
 
 def _serve(llm, reply) -> None:
-    from vllm import SamplingParams   # lazy: vLLM is imported in this child process only
+    from vllm import SamplingParams  # lazy: vLLM is imported in this child process only
     params = SamplingParams(max_tokens=1, temperature=0.0)
     for line in sys.stdin:
         request = json.loads(line)
@@ -384,7 +384,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     spec = json.loads(args.spec)
     reply = os.fdopen(args.reply_fd, "w", encoding="utf-8")
-    import vllm   # lazy: vLLM is imported in this child process only
+    import vllm  # lazy: vLLM is imported in this child process only
     error = vllm_support_error(vllm.__version__, importlib.util.find_spec(CONNECTOR_MODULE) is not None) \
         or architecture_error(spec["engine"]["model"], spec["engine"].get("trust_remote_code", False))
     if error:

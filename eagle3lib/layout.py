@@ -56,8 +56,12 @@ class RunLayout:
         return self.data / "regen" / key
 
     # ---- extraction stage (03) ----
+    @property
+    def hidden_root(self) -> Path:
+        return self.root / "hidden"
+
     def hidden(self, split: str) -> Path:
-        return self.root / "hidden" / split
+        return self.hidden_root / split
 
     # ---- training stage (04) ----
     @property

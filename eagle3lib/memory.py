@@ -14,7 +14,7 @@ Two kinds of figure, each marked:
 - assumed (formula): what the trainer holds outside one step, from parameter counts and the
   sharding it is meant to use on a GPU box (FSDP2 over train.nproc ranks): fp32 master weights,
   fp32 gradients and AdamW's two fp32 moments, all sharded; the frozen target embedding in bf16,
-  sharded; bf16 copies of the gathered FSDP units as train.shard_objective lays them out (the
+  sharded; bf16 copies of the gathered FSDP units as parallel.shard_objective lays them out (the
   decoder layer and the drafter's own unit, final norm + lm_head, stay gathered through all TTT
   steps; the embedding or fc is gathered on top while it computes); the unsharded bf16 gradient of
   the largest trainable unit before its reduce-scatter; the target head the loss uses
@@ -330,7 +330,7 @@ def unit_sizes(drafter: Eagle3Drafter) -> dict:
     return out
 
 
-# The FSDP2 units train.shard_objective gathers only while they compute (they reshard after each
+# The FSDP2 units parallel.shard_objective gathers only while they compute (they reshard after each
 # call); every other parameter (decoder layer, final norm, lm_head) stays gathered through the step.
 TRANSIENT_UNITS = ("embed_tokens", "fc")
 
@@ -358,7 +358,8 @@ def state_items(P: Params, drafter: Eagle3Drafter, compute_bytes: int) -> list:
         MemoryItem("master weights (fp32, sharded)", 4 * shard(trainable), ASSUMED, f"{trainable:,} / {n} ranks"),
         MemoryItem("gradients (fp32, sharded)", 4 * shard(trainable), ASSUMED, "reduce dtype fp32"),
         MemoryItem("AdamW moments (2 x fp32, sharded)", 8 * shard(trainable), ASSUMED, ""),
-        MemoryItem("frozen embedding (sharded)", compute_bytes * shard(frozen), ASSUMED, f"{frozen:,} in the compute dtype"),
+        MemoryItem("frozen embedding (sharded)", compute_bytes * shard(frozen), ASSUMED,
+                   f"{frozen:,} in the compute dtype"),
         MemoryItem("gathered units", compute_bytes * gathered, ASSUMED,
                    "decoder layer + norm/lm_head held through the TTT steps, + embedding or fc while it computes"),
         MemoryItem("unsharded gradient (largest unit)", compute_bytes * largest_trainable, ASSUMED,
@@ -434,7 +435,8 @@ def format_estimate(est: MemoryEstimate, budget_gb: Optional[float] = None) -> s
             f"{est.device} kernels, {est.trainable_params / 1e6:,.1f} M trainable")
     if budget_gb is not None:
         head += f", budget {budget_gb:g} GB ({est.peak_bytes / (budget_gb * GB):.0%} used)"
-    return "\n".join([head] + [f"  {a:<{width}}  {b}  {c:<{len(MEASURED + ' + ' + ASSUMED)}}  {d}" for a, b, c, d in rows])
+    basis_width = len(MEASURED + " + " + ASSUMED)
+    return "\n".join([head] + [f"  {a:<{width}}  {b}  {c:<{basis_width}}  {d}" for a, b, c, d in rows])
 
 
 def main(argv=None) -> int:

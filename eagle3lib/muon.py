@@ -4,7 +4,7 @@ torch.optim.Muon (torch >= 2.9, the optimizer train.optimizer: muon uses) orthog
 update with 5 Newton-Schulz iterations in bf16. Where bf16 matmuls are emulated (an AVX2-only CPU)
 that iteration dominates the step: on the local profile (SmolLM2-135M shapes, 1,024-token batches,
 fp32 training) it took ~20 of a step's ~22 s, so training ran at ~40 tok/s instead of ~400
-(cProfile of `python -m eagle3lib.train`, NOTES.md, tenth session).
+(cProfile of `python -m eagle3lib.train`, docs/log.md, 2026-12-04, evening).
 
 `Muon` below is torch.optim.Muon's documented algorithm (see its docstring) with one knob added,
 ns_dtype. With ns_dtype=torch.bfloat16 it reproduces torch.optim.Muon step for step

@@ -5,7 +5,7 @@ acceptance numbers.
     scoring = build_scoring(P, layout, drafter, device)        # head, objective, autocast, aux scale
     batch = prepare_batch(collate(items, max_len), scoring.head, ttt_steps, device, scoring.scale)
     loss, stats = scoring.objective(batch, denominators)       # stats [J, 3]: loss sum, correct, count
-    evaluate(scoring.objective, scoring.heldout(cache, 32, batch_tokens, device), ttt_steps, scoring.amp)
+    heldout_scores(scoring.objective, scoring.heldout(cache, 32, batch_tokens, device), ttt_steps, scoring.amp)
 
 Indices: step j at position t predicts token x_{t+2+j}; its soft label is the target's
 distribution at u = t+1+j (the target at u predicts x_{u+1}), restricted to the draft vocabulary
@@ -63,7 +63,7 @@ class TargetHead:
     def __init__(self, lm_head: torch.Tensor, d2t: torch.Tensor, chunk: int = 512,
                  scan_dtype: Optional[torch.dtype] = None):
         # The top-1 scan runs in bf16 where bf16 is native, else in fp32: emulated bf16 made the scan
-        # 6x slower than fp32 on an AVX2-only CPU (NOTES.md, seventh session). The fp32 re-check
+        # 6x slower than fp32 on an AVX2-only CPU (NOTES.md, Decisions: Threads and dtype). The fp32 re-check
         # below makes the result exact either way.
         scan_dtype = scan_dtype or getattr(torch, auto_dtype())
         self.full = lm_head.contiguous()                                      # [V, H] checkpoint dtype
@@ -84,8 +84,8 @@ class TargetHead:
         draft rows, i.e. the full distribution restricted to the draft vocabulary and renormalised;
         top [N] = argmax target id over the FULL vocabulary).
 
-        The top-1 scans the full head in bf16 where that is native (fast; else fp32), then re-scores the best TOPK_RECHECK
-        candidates of every row exactly in fp32, so bf16 rounding of near-ties cannot flip it.
+        The top-1 scans the full head in bf16 where that is native (fast; else fp32), then re-scores
+        the best TOPK_RECHECK candidates of every row exactly in fp32, so bf16 rounding of near-ties cannot flip it.
         exact_top1=False skips that scan (the most expensive part of a training step) and returns
         the argmax within the draft vocabulary instead: it differs only where the target's top-1
         lies outside the draft vocabulary (0.4% of train tokens on the local profile). Training
@@ -406,8 +406,8 @@ def add_feature_noise(prepared: dict, std: float, scale: Optional[torch.Tensor],
 
 # ==== held-out evaluation ======================================================================
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list, ttt_steps: int, amp, max_answer_tokens: Optional[int] = None,
-             reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> dict:
+def heldout_scores(model: nn.Module, batches: list, ttt_steps: int, amp, max_answer_tokens: Optional[int] = None,
+                   reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> dict:
     """Per-step soft-CE loss, top-1 accuracy and the acceptance estimate on prepared batches, and
     `acceptance_replayed`: chain decoding with k = ttt_steps replayed on each sequence's first
     answer (replay_chain), which counts acceptance where decoding measures it.
@@ -467,7 +467,7 @@ def heldout_batches(eval_cache, sequences: int, head: TargetHead, ttt_steps: int
     (labels are computed with the head on its device, then brought back).
     rank / world: this rank prepares only batches rank, rank + world, ... (1/world of the set); a
     rank with fewer than the most also gets a filler (one of its batches, or batch 0 when it has
-    none) so that all ranks run the same number of forwards. evaluate(..., reduce=sum over ranks)
+    none) so that all ranks run the same number of forwards. heldout_scores(..., reduce=sum over ranks)
     then gives the numbers of one process holding every batch."""
     idx = [i for i in range(min(sequences, len(eval_cache))) if eval_cache.lengths[i] >= 3]
     chunks = bucket_batches([eval_cache.lengths[i] for i in idx], batch_tokens, 0, 0)
@@ -517,7 +517,8 @@ def build_scoring(P: Params, layout: RunLayout, drafter: Eagle3Drafter, device, 
                   scale: Optional[torch.Tensor] = None, compile: bool = False) -> Scoring:
     """The scoring of run `layout` for `drafter` (already on `device`): the target's lm_head with the
     run's draft vocabulary, TTTObjective(drafter, ttt_steps (default train.ttt_steps), train.decay,
-    train.loss, train.lk_eta) and train.dtype's autocast. scale: see batches.aux_scale (None for a drafter with s folded in)."""
+    train.loss, train.lk_eta) and train.dtype's autocast. scale: see batches.aux_scale (None for a
+    drafter with s folded in)."""
     d2t, _ = load_vocab(layout.vocab)
     head = TargetHead(load_target_tensors(target_path(P), ("lm_head",))["lm_head"], d2t).to(device)
     objective = TTTObjective(drafter, ttt_steps or P.train.ttt_steps, P.train.decay, compile=compile,

@@ -193,7 +193,7 @@ class TrainParams:
     # the step's activations for the price of a second forward of the layer).
     attention: str = "auto"
     activation_checkpointing: bool = False
-    tracking: str = "none"               # none | tensorboard
+    tracking: str = "none"               # none | tensorboard | wandb (offline); tracking.py
     distributed: str = "none"            # none | ddp | fsdp
     nproc: int = 1
     # How long a torchrun rank waits in a collective (a barrier, a reduction) for the others before
@@ -360,7 +360,7 @@ CHOICES = {
     "train.loss_average": {"masked", "all"},
     "train.label_positions": {"assistant", "all"},
     "train.loss": {"kl", "lk", "lk_hybrid"},                                  # objective.LOSS_CHOICES
-    "train.tracking": {"none", "tensorboard"},
+    "train.tracking": {"none", "tensorboard", "wandb"},
     "train.distributed": {"none", "ddp", "fsdp"},
     "train.verify_cache": {"full", "sampled", "sizes"},                       # cache.VERIFY_MODES
     "train.attention": {"auto", "manual", "merge", "mask", "chunked", "flex"},   # model.ATTENTION_CHOICES
@@ -606,7 +606,8 @@ def validate(p: Params) -> Params:
              warmup_problem(t.warmup_steps, t.max_steps, "train.max_steps"))
     need(t.checkpoint_fraction is None or 0 < t.checkpoint_fraction <= 1, "train.checkpoint_fraction",
          "must be in (0, 1] (a share of the planned steps; null: train.checkpoint_every)")
-    need(t.checkpoint_minutes is None or t.checkpoint_minutes > 0, "train.checkpoint_minutes", "must be > 0 (or null: off)")
+    need(t.checkpoint_minutes is None or t.checkpoint_minutes > 0, "train.checkpoint_minutes",
+         "must be > 0 (or null: off)")
     need(t.grad_clip > 0, "train.grad_clip", "must be > 0")
     need(t.epochs > 0, "train.epochs", "must be > 0")
     need(t.max_steps is None or t.max_steps >= 1, "train.max_steps", "must be >= 1")
@@ -804,7 +805,7 @@ def _check_shape_values(shape: dict, key: str) -> None:
 # ---- dtype "auto" ---------------------------------------------------------------------------
 # bf16 is 3-4x faster than fp32 on a CPU that computes it natively (AVX512-BF16 / AMX: prefill
 # 3,400 vs 890 tok/s for SmolLM2) and 4.5-15x SLOWER on one that emulates it (AVX2 only: vLLM
-# regeneration ~18 vs 82 tok/s, NOTES.md, seventh session). The same profile has to run on both.
+# regeneration ~18 vs 82 tok/s, NOTES.md, Decisions: Threads and dtype). The same profile has to run on both.
 NATIVE_BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}   # x86 AVX512-BF16 and AMX; Arm BF16
 
 

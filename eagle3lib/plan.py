@@ -28,13 +28,22 @@ from typing import Optional
 
 import yaml
 
-from .chats import MalformedRecord, chat_hash, iter_raw_records, normalize_chat, path_sha256, sources_of, source_problem
+from .chats import MalformedRecord, chat_hash, iter_raw_records, normalize_chat, path_sha256, source_problem, sources_of
 from .files import atomic_write_json, read_json, read_metrics
 from .layout import RunLayout
-from .params import (Params, ParamsError, host_memory_bytes, checkpoint_interval, max_warmup_steps, planned_warmup, regen_cap_problem,
-                     warmup_problem)
+from .params import (
+    Params,
+    ParamsError,
+    checkpoint_interval,
+    host_memory_bytes,
+    max_warmup_steps,
+    planned_warmup,
+    regen_cap_problem,
+    warmup_problem,
+)
 from .stage_times import KNOWN_CHECKPOINT_BYTES, Workload, drafter_flops_per_token, host_for, stage_seconds
-from .stats import DataStats, load_stats as load_data_stats
+from .stats import DataStats
+from .stats import load_stats as load_data_stats
 
 # Mean tokens of one ShareGPT conversation after the chat template (measured on SmolLM2's
 # tokenizer over the first 2,000 records, see NOTES.md); truncation caps it at max_length.
@@ -238,7 +247,7 @@ def memory_plan(p: Params) -> dict:
     """Per-GPU training memory (eagle3lib/memory.py) at data.max_length and at 2,048 / 4,096-token
     sequences (each at most train.batch_tokens): {seq_len: MemoryEstimate.as_dict()
     plus "fits" (None without train.gpu_memory_gb) and "problem"}."""
-    from . import memory   # imports torch and runs the drafter on the meta device: `import plan` stays light
+    from . import memory  # imports torch and runs the drafter on the meta device: `import plan` stays light
     out = {}
     for seq in sorted({p.data.max_length, 2048, 4096}):
         if seq > p.train.batch_tokens:
@@ -546,11 +555,12 @@ def full_run_problems(p: Params, plan: dict, layout: Optional[RunLayout] = None)
     if warmup > max_warmup_steps(steps):
         out.append(("refuse", "train.warmup_steps", warmup_problem(warmup, steps, "estimated by the plan")))
     if plan["checkpoint_interval"] >= steps > 1 and t.checkpoint_minutes is None:
-        out.append(("warn", "train.checkpoint_every", f"{plan['checkpoint_interval']:,} >= the {steps:,} planned steps: "
+        out.append(("warn", "train.checkpoint_every",
+                    f"{plan['checkpoint_interval']:,} >= the {steps:,} planned steps: "
                     "no intermediate checkpoint or held-out eval; set train.checkpoint_fraction (e.g. 0.1) or "
                     "train.checkpoint_minutes"))
     free, where = _free_bytes(layout.root)
-    need = plan["cache_bytes"] - _tree_bytes(layout.root / "hidden")
+    need = plan["cache_bytes"] - _tree_bytes(layout.hidden_root)
     if need > free:
         out.append(("refuse", "output_dir", f"the hidden-state caches need {human_bytes(need)} more, {where} has "
                     f"{human_bytes(free)} free: free space or point output_dir at a larger disk, or lower "

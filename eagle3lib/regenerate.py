@@ -56,7 +56,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, Optional
 
-
 from .chat_template import prompt_ids, split_reasoning
 from .engine import engine_kwargs
 from .files import atomic_write_bytes, atomic_write_json
@@ -438,8 +437,9 @@ def _run_vllm_subprocess(P, model_path: Path, chats: list[dict], out_dir: Path) 
 
 def regenerate_chats(P, run_dir, chats: list[dict], progress: bool = True) -> tuple[list[dict], dict]:
     """Regenerate `chats` (normalised, with ids). Returns (kept chats with the target's answers:
-    {"id", "messages", "input_ids", "loss_mask"} (token_sequence), stats). Finished chats in the chunk files are reused (matched by prompt_key: same id and same
-    prompt turns); only the others are generated."""
+    {"id", "messages", "input_ids", "loss_mask"} (token_sequence), stats). Finished chats in the
+    chunk files are reused (matched by prompt_key: same id and same prompt turns); only the others
+    are generated."""
     d = P.data
     out_dir = RunLayout(run_dir).regen(regen_key(P))
     out_dir.mkdir(parents=True, exist_ok=True)

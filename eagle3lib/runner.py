@@ -35,7 +35,7 @@ from .plan import capacity_plan, measured_stats, refuse_full_run
 from .progress import INTERVAL_ENV, PROGRESS_ENV
 from .regenerate import resolve_backend as resolve_regen_backend
 from .report import OPTIONAL_NOTEBOOKS, git_commit, machine_info, write_index
-from .smoke import branches, changed_fields, checkpoint_format, smoke_params
+from .smoke import branches, changed_fields, smoke_params
 
 # Stage name -> notebook file (execution order).
 STAGES = {
@@ -211,7 +211,9 @@ def _streaming_kernel_progress():
 
 
 def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
 def mark_interrupted(notebook: Path, seconds: float) -> None:
@@ -239,7 +241,7 @@ def _run_stage(stage: str, layout: RunLayout, notebooks_dir: Path, parameters: d
                log, expected: Optional[tuple] = None, label: Optional[str] = None) -> StageResult:
     """Execute one notebook into the run folder (with an HTML export); NotebookFailed names the cell.
     label: the name of this execution (its executed copy and its wall time; default: the stage)."""
-    import papermill as pm                          # heavy (jupyter); `eagle3 params/plan` stay light
+    import papermill as pm  # heavy (jupyter); `eagle3 params/plan` stay light
     from papermill.exceptions import PapermillExecutionError
 
     label = label or stage
@@ -339,7 +341,7 @@ def resume_leg(p: Params, layout: RunLayout, notebooks_dir: Path, parameters: di
     """Training's second leg: delete leg 1's last checkpoint and run 04 again, which must resume
     from the half-way checkpoint and end at the same step. -> (its StageResult, {resumed_from_step,
     steps, checkpoint_format, final_weights_equal: leg 2's final drafter bit-equal to leg 1's})."""
-    from .checkpoints import latest_checkpoint, read_checkpoint_meta   # torch: only for this leg
+    from .checkpoints import latest_checkpoint, read_checkpoint_meta  # torch: only for this leg
 
     last = latest_checkpoint(layout.checkpoints)
     if last is None:
@@ -365,7 +367,7 @@ def resume_leg(p: Params, layout: RunLayout, notebooks_dir: Path, parameters: di
 
 def tensor_digests(path: Path) -> dict:
     """{tensor name: sha256 of its bytes} of a safetensors file (its metadata left out)."""
-    import torch                                 # heavy: only for the smoke run's resume check
+    import torch  # heavy: only for the smoke run's resume check
     from safetensors import safe_open
     with safe_open(str(path), framework="pt") as f:
         return {k: hashlib.sha256(f.get_tensor(k).contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
@@ -418,6 +420,7 @@ def format_smoke(report: dict) -> str:
     res = report.get("resume")
     if res:
         lines.append(f"resume: {res['checkpoint_format']} checkpoint of step {res['resumed_from_step']} -> step "
-                     f"{res['steps']}; final drafter bit-equal to the uninterrupted leg's: {res['final_weights_equal']}")
+                     f"{res['steps']}; final drafter bit-equal to the uninterrupted leg's: "
+                     f"{res['final_weights_equal']}")
     lines.append(f"branches equal to the full run's (smoke.branches): {report.get('branches_equal_full_run')}")
     return "\n".join(lines)

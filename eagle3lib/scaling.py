@@ -32,9 +32,10 @@ import numpy as np
 import pandas as pd
 
 from . import evaluate as ev
-from .export import export_vllm
-from .layout import RunLayout
 from .cache import HiddenCache
+from .export import export_vllm
+from .files import update_metrics
+from .layout import RunLayout
 from .params import MAX_WARMUP_FRACTION, Params, TrainParams
 from .progress import relay
 from .target import load_tokenizer, target_path
@@ -76,7 +77,7 @@ def point_layout(L: RunLayout, n: int, variant: str = "") -> RunLayout:
     """The point's run folder with data/ and hidden/ linked (relative links) to the run's own."""
     root = L.scaling_point(n, variant)
     root.mkdir(parents=True, exist_ok=True)
-    for name, target in (("data", L.data), ("hidden", L.root / "hidden")):
+    for name, target in (("data", L.data), ("hidden", L.hidden_root)):
         link = root / name
         rel = os.path.relpath(target, root)
         if link.is_symlink() and os.readlink(link) == rel:
@@ -129,8 +130,8 @@ def export_points(P: Params, L: RunLayout, table: pd.DataFrame, target_dir) -> d
 
 def export_point(P: Params, final_dir, target_dir):
     """A point's vLLM export beside its train/ folder (speculators layout, k = eval.k)."""
-    return export_vllm(final_dir, Path(final_dir).parent.parent / "export", target_dir, layout="speculators",
-                       k=P.eval.k)
+    point = RunLayout(Path(final_dir).parent.parent)         # <point>/train/final -> <point>
+    return export_vllm(final_dir, point.export, target_dir, layout="speculators", k=P.eval.k)
 
 
 def vllm_mode_name(n: int, k: int) -> str:
@@ -222,3 +223,26 @@ def plot_curve(table: pd.DataFrame, fit: dict, targets=(), vllm: Optional[pd.Dat
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def record_study(P: Params, L: RunLayout, table: pd.DataFrame, fit: dict, vllm_table: Optional[pd.DataFrame] = None,
+                 vllm_fit: Optional[dict] = None) -> str:
+    """metrics.json's "scaling" section (the points' acceptance, both fits, the chats each target
+    needs by the vLLM fit when there is one, else the replayed one) and its verdict line, returned."""
+    main_fit = vllm_fit or fit
+    k = P.eval.k if vllm_fit else P.train.ttt_steps
+    needed = {str(t): chats_for(main_fit, t, k) for t in P.scaling.targets}
+    basis = "vLLM" if vllm_fit else "replayed"
+    beyond = any(n and n > main_fit["n_max"] for n in needed.values())
+    verdict = (f"Verdict ({basis}): from {round(main_fit['n_min'])} to {round(main_fit['n_max'])} chats, each "
+               f"doubling added {main_fit['per_doubling']:+.3f} to the acceptance length; "
+               + "; ".join(f"{t}: {'not reached' if n is None else f'~{n:,.0f} chats'}" for t, n in needed.items())
+               + (" (beyond the largest point: an optimistic extrapolation)" if beyond else ""))
+    update_metrics(L.root, "scaling", {
+        "sizes": list(P.scaling.sizes), "epochs": P.scaling.epochs,
+        "acceptance_replayed": [float(x) for x in table["acceptance_replayed"]],
+        "fit_replayed": fit,
+        "acceptance_vllm": None if vllm_table is None else [float(x) for x in vllm_table["acceptance_length"]],
+        "speedup_vllm": None if vllm_table is None else [float(x) for x in vllm_table["speedup"]],
+        "fit_vllm": vllm_fit, "chats_for_targets": needed, "verdict": verdict})
+    return verdict

@@ -69,7 +69,7 @@ GPU_SPEC_SPEEDUP = 1.5           # assumed: speculative modes vs plain decoding 
 CONNECTOR_WRITE_BYTES_PER_S = 1.5e9   # assumed: one synchronous safetensors save stream
 PARENT_COPY_BYTES_PER_S = 1.0e9       # assumed: one process reading and re-writing the states
 HASH_BYTES_PER_S = 1.0e9              # assumed: one sha256 stream
-# Verification of the caches before training (cache.verify_cache): seconds per GB of one hashing
+# Verification of the caches at the end of 03 (cache.verify_cache): seconds per GB of one hashing
 # process. assumed until bench/verify.py is measured (NOTES.md).
 VERIFY_SECONDS_PER_GB = 1.0
 # A vLLM engine start on GPUs: fixed (processes, TP/EP groups, profiling run, CUDA graphs unless
@@ -331,7 +331,8 @@ def regen_rate(p: Params, work: Workload, host: Host, backend: str, measured: di
         return REGEN_DECODE_BATCH / step, (
             f"assumed decode-bandwidth model: {REGEN_DECODE_BATCH} sequences per step, each step reads the "
             f"checkpoint's {work.checkpoint_bytes / 1e9:,.0f} GB (every expert at this batch) and their KV cache "
-            f"over {host.gpus} x {GPU_KINDS[host.gpu][1] / 1e12:g} TB/s at {HBM_EFFICIENCY:.0%} ({host.gpu}, {host.gpu_basis})")
+            f"over {host.gpus} x {GPU_KINDS[host.gpu][1] / 1e12:g} TB/s at {HBM_EFFICIENCY:.0%} "
+            f"({host.gpu}, {host.gpu_basis})")
     ratio = target_speed_ratio(host, work)
     if backend == "vllm":
         value, basis = cpu_rate(host, "regen_vllm_tokens_per_s")
@@ -341,12 +342,32 @@ def regen_rate(p: Params, work: Workload, host: Host, backend: str, measured: di
 
 
 def extract_stage(p: Params, work: Workload, host: Host, stage: Stage, measured: dict) -> None:
+    extract_compute(p, work, host, stage, measured)
+    verify_part(p, work, stage)
+
+
+def verify_part(p: Params, work: Workload, stage: Stage) -> None:
+    """03 ends with the cache's one verification (train.verify_cache), split over its writers
+    (extract.nproc); 04 then finds it verified and reads no shard."""
+    share, how = verify_share(p)
+    if share:
+        gb, procs = work.cache_bytes / 1e9 * share, p.extract.nproc
+        stage.add(f"verify the cache ({how}, {gb:,.1f} GB over {procs} process{'es' if procs > 1 else ''})",
+                  gb * VERIFY_SECONDS_PER_GB / procs,
+                  f"assumed ({VERIFY_SECONDS_PER_GB} s/GB per hashing process until bench/verify.py is measured)")
+
+
+def extract_compute(p: Params, work: Workload, host: Host, stage: Stage, measured: dict) -> None:
+    """Engine start, target loads and the extraction itself (the stage's rate)."""
     vllm = p.extract.backend == "vllm"
     add_engines(stage, 1 if vllm else 0, host, work, "extraction; 03's vLLM fidelity check uses the same engine")
     loads = (0 if vllm else 1) + (1 if fidelity_loads_target(p, work) else 0)   # transformers loads of the target
     if loads:
-        seconds, basis = (work.checkpoint_bytes / 1e9 * ENGINE_LOAD_S_PER_GB, f"assumed ({ENGINE_LOAD_S_PER_GB} s/GB)") \
-            if host.gpus else (CPU_TARGET_LOAD_S, f"assumed ({CPU_TARGET_LOAD_S:.0f} s)")
+        if host.gpus:
+            seconds, basis = (work.checkpoint_bytes / 1e9 * ENGINE_LOAD_S_PER_GB,
+                              f"assumed ({ENGINE_LOAD_S_PER_GB} s/GB)")
+        else:
+            seconds, basis = CPU_TARGET_LOAD_S, f"assumed ({CPU_TARGET_LOAD_S:.0f} s)"
         stage.add(f"{loads} transformers load{'s' if loads > 1 else ''} of the target (extraction, fidelity check)",
                   loads * seconds, basis)
     if "extract" in measured:
@@ -361,7 +382,8 @@ def extract_stage(p: Params, work: Workload, host: Host, stage: Stage, measured:
                   f"assumed ({host.gpus} x {flops / 1e15:.2f} PFLOP/s bf16 at MFU {MFU_EXTRACT}, {host.gpu})")
         gb = work.cache_bytes / 1e9
         if vllm:
-            stage.add(f"connector saves {gb:,.0f} GB (one worker, synchronous)", work.cache_bytes / CONNECTOR_WRITE_BYTES_PER_S,
+            stage.add(f"connector saves {gb:,.0f} GB (one worker, synchronous)",
+                      work.cache_bytes / CONNECTOR_WRITE_BYTES_PER_S,
                       f"assumed ({CONNECTOR_WRITE_BYTES_PER_S / 1e9:g} GB/s)")
             stage.add(f"parent re-reads and re-writes {gb:,.0f} GB", work.cache_bytes / PARENT_COPY_BYTES_PER_S,
                       f"assumed ({PARENT_COPY_BYTES_PER_S / 1e9:g} GB/s, one process)")
@@ -405,12 +427,6 @@ def train_stage(p: Params, work: Workload, host: Host, stage: Stage, measured: d
     stage.add("setup (imports, cache, drafter, target head)", TRAIN_SETUP_S, f"assumed ({TRAIN_SETUP_S:.0f} s)")
     if ranks > 1 and not host.gpus:
         stage.add(f"torchrun start ({ranks} ranks)", TORCHRUN_START_S, f"assumed ({TORCHRUN_START_S:.0f} s)")
-    share, how = verify_share(p)
-    if share:
-        gb = work.cache_bytes / 1e9 * share
-        stage.add(f"verify the cache ({how}, {gb:,.1f} GB over {ranks} rank{'s' if ranks > 1 else ''})",
-                  gb * VERIFY_SECONDS_PER_GB / ranks,
-                  f"assumed ({VERIFY_SECONDS_PER_GB} s/GB per hashing process until bench/verify.py is measured)")
     if "train" in measured:
         rate, basis = measured["train"][0], f"measured ({measured['train'][1]})"
     else:

@@ -15,8 +15,7 @@ from typing import Optional
 
 import torch
 from safetensors import safe_open
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig,
-                          LlamaForCausalLM)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from .files import atomic_dir, remove_tree
 from .params import EMBEDDED_TARGET, Params

@@ -22,12 +22,12 @@ the same training identity: the params that change the math and the fingerprint 
 hidden-state cache (its manifests, which hold every shard's sha256), and with the same world
 size. Under torchrun, `train.distributed` ddp / fsdp give every rank a disjoint slice of each
 global batch; losses are normalised by global counts, so N ranks x 1 micro-batch compute the same
-update as 1 rank x N micro-batches. FSDP2 shards the drafter unit by unit (shard_objective): bf16 compute and fp32
-gradient reduction on GPU (MixedPrecisionPolicy), fp32 on CPU.
+update as 1 rank x N micro-batches. The wrapping (DDP, FSDP2 unit by unit, mixed precision) is
+parallel.py's.
 
 Speed on CPU (bench/train.py): `train.dtype: bfloat16` (autocast, fp32 master weights) is faster
 than float32 only where the CPU computes bf16 natively (AVX512-BF16 / AMX); on an AVX2-only CPU bf16
-is emulated and 4.5-15x slower, so `dtype: auto` picks float32 there (NOTES.md, seventh session).
+is emulated and 4.5-15x slower, so `dtype: auto` picks float32 there (NOTES.md, Decisions: Threads and dtype).
 When other processes share the cores, run with OMP_WAIT_POLICY=PASSIVE (OpenMP's spin-waiting
 slows shared cores down).
 """
@@ -47,28 +47,39 @@ from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.nn.parallel import DistributedDataParallel
 
 from .batches import Schedule, aux_scale, bucket_batches, fold_aux_scale, micro_batch_loader
 from .cache import MANIFEST, HiddenCache, check_cache
-from .checkpoints import (last_good_checkpoint, latest_checkpoint, load_checkpoint, read_checkpoint_meta,
-                          save_checkpoint, save_final)
+from .checkpoints import (
+    last_good_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    read_checkpoint_meta,
+    save_checkpoint,
+    save_final,
+)
 from .dist import Dist
-from .files import atomic_write_json, check_run_links, read_json, remove_tree, run_lock
+from .files import atomic_write_json, check_run_links, read_json, remove_tree, run_lock, update_metrics
 from .fingerprint import target_fingerprint
 from .layout import RunLayout
 from .memory import check_fits
 from .model import Eagle3Config, Eagle3Drafter
 from .muon import Muon
-from .objective import Scoring, TTTObjective, add_feature_noise, build_scoring, evaluate, prepare_batch
-from .params import (Params, TrainParams, checkpoint_interval, load_params, max_warmup_steps, planned_warmup,
-                     warmup_problem)
+from .objective import Scoring, add_feature_noise, build_scoring, heldout_scores, prepare_batch
+from .parallel import frozen_dtype, full_weights, mixed_precision, no_sync, reshard_units, wrap_model
+from .params import (
+    Params,
+    TrainParams,
+    checkpoint_interval,
+    load_params,
+    max_warmup_steps,
+    planned_warmup,
+    warmup_problem,
+)
 from .progress import tqdm
 from .target import load_target_layer, load_target_tensors, target_path
+from .tracking import open_tracker
 from .vocab import load_vocab
-
 
 
 # ==== schedule, optimizer =======================================================================
@@ -102,85 +113,6 @@ def muon_optimizer(params: list, t) -> torch.optim.Optimizer:
     if t.dtype == "bfloat16":
         return torch.optim.Muon(params, lr=t.lr, weight_decay=t.weight_decay, adjust_lr_fn="match_rms_adamw")
     return Muon(params, lr=t.lr, weight_decay=t.weight_decay, adjust_lr_fn="match_rms_adamw", ns_dtype=torch.float32)
-
-
-def frozen_dtype(t: TrainParams, device: torch.device) -> torch.dtype:
-    """The dtype the frozen embedding is held in: bf16 on GPU under train.dtype bfloat16 (the target's
-    own values, so exact; halves 4.7 GB at Kimi shapes), else fp32 (on CPU bf16 is emulated on
-    AVX2-only machines, and a bf16 lookup would change the fp32 path's numbers)."""
-    return torch.bfloat16 if device.type == "cuda" and t.dtype == "bfloat16" else torch.float32
-
-
-def mixed_precision(t: TrainParams, device: torch.device) -> MixedPrecisionPolicy:
-    """FSDP2's policy: on GPU with train.dtype bfloat16 the gathered parameters are bf16 and the
-    gradients are reduce-scattered in fp32 (fp32 master weights and optimizer state stay sharded).
-    On CPU / gloo everything stays fp32: emulated bf16 is slow there, gloo reduces fp32 exactly, and
-    the 2-process gloo tests compare against single-process fp32 training."""
-    if device.type == "cuda" and t.dtype == "bfloat16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
-
-
-def shard_objective(objective: TTTObjective, mp: MixedPrecisionPolicy) -> nn.Module:
-    """FSDP2 units for a one-layer drafter with a big embedding and head, each all-gathered only
-    while it computes: the frozen embedding, fc, the decoder layer, the drafter's remaining
-    parameters (final norm + lm_head, and input_norm when present), then the root (the objective).
-
-    TTTObjective does not call these modules' forward everywhere, so FSDP2's pre-forward hooks get
-    explicit entry points (register_fsdp_forward_method, a documented FSDP2 API):
-    - the decoder layer is entered through `attention_input` (then self_attn.qkv / out / finish
-      run on the same gathered weights: reshard_after_forward=False keeps them gathered through
-      all TTT steps). Its backward hooks fire once per TTT step, at attention_input's inputs,
-      while the earlier steps' qkv / out / finish still need the weights, so it does not reshard
-      after backward either: optimizer_step reshards every unit explicitly (reshard_units) once
-      the step's backward passes are done;
-    - the drafter unit is entered through `ttt_hidden`; ttt_loss then reads lm_head.weight
-      directly, so this unit too stays gathered until its backward.
-    The embedding and fc are called as modules and reshard after each call."""
-    drafter = objective.drafter
-    fully_shard(drafter.embed_tokens, mp_policy=mp)
-    fully_shard(drafter.fc, mp_policy=mp)
-    fully_shard(drafter.midlayer, mp_policy=mp, reshard_after_forward=False)
-    register_fsdp_forward_method(drafter.midlayer, "attention_input")
-    drafter.midlayer.set_reshard_after_backward(False, recurse=False)
-    fully_shard(drafter, mp_policy=mp, reshard_after_forward=False)
-    register_fsdp_forward_method(drafter, "ttt_hidden")
-    return fully_shard(objective, mp_policy=mp)
-
-
-def reshard_units(model: nn.Module) -> None:
-    """Free the gathered parameters of every FSDP2 unit (see shard_objective); no-op without FSDP."""
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-
-
-def wrap_model(objective: TTTObjective, mode: str, dist: Dist, mp: Optional[MixedPrecisionPolicy] = None) -> nn.Module:
-    if dist.world == 1:
-        return objective
-    if mode == "ddp":
-        return DistributedDataParallel(objective)
-    if mode == "fsdp":
-        return shard_objective(objective, mp or MixedPrecisionPolicy())
-    raise ValueError(mode)
-
-
-def no_sync(model: nn.Module, last: bool):
-    """Skip gradient synchronisation on all but the last micro-batch of a step."""
-    if last:
-        return contextlib.nullcontext()
-    if hasattr(model, "no_sync"):                        # DDP
-        return model.no_sync()
-    if hasattr(model, "set_requires_gradient_sync"):     # FSDP2
-        @contextlib.contextmanager
-        def ctx():
-            model.set_requires_gradient_sync(False)
-            try:
-                yield
-            finally:
-                model.set_requires_gradient_sync(True)
-        return ctx()
-    return contextlib.nullcontext()
 
 
 # ==== what a resumption must match ==============================================================
@@ -463,7 +395,7 @@ def heldout_eval(run: TrainRun) -> dict:
     set, the sums are reduced over ranks (the same numbers as one process scoring all of it)."""
     def sum_over_ranks(x: torch.Tensor) -> torch.Tensor:
         return run.dist.all_sum(x.to(run.device)).cpu()              # NCCL reduces on the GPU
-    return evaluate(run.model, run.eval_batches, run.P.train.ttt_steps, run.scoring.amp, reduce=sum_over_ranks)
+    return heldout_scores(run.model, run.eval_batches, run.P.train.ttt_steps, run.scoring.amp, reduce=sum_over_ranks)
 
 
 def resume(run: TrainRun) -> None:
@@ -546,29 +478,12 @@ def stop_if_diverged(run: TrainRun, guard: DivergenceGuard, record: dict) -> Non
         "the thresholds are train.diverge_* (diverge_steps: 0 turns the guard off)")
 
 
-def open_tracker(run: TrainRun):
-    """The tensorboard writer of train.tracking (rank 0), else None."""
-    if run.P.train.tracking != "tensorboard" or run.dist.rank != 0:
-        return None
-    try:   # lazy: tensorboard is an optional dependency
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as e:
-        raise RuntimeError("train.tracking: tensorboard needs `pip install tensorboard`") from e
-    return SummaryWriter(str(run.layout.tensorboard))
-
-
-def report(run: TrainRun, record: dict, bar, tracker, callback: Optional[Callable]) -> None:
-    """Rank 0: the progress bar, tensorboard and the caller's callback."""
+def report_step(run: TrainRun, record: dict, bar, tracker, callback: Optional[Callable]) -> None:
+    """Rank 0: the progress bar, the tracker (train.tracking) and the caller's callback."""
     bar.update(1)
     bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['step_acc'][0]:.3f}")
     if tracker is not None:
-        step = record["step"]
-        tracker.add_scalar("train/loss", record["loss"], step)
-        tracker.add_scalar("train/lr", record["lr"], step)
-        for j in range(run.P.train.ttt_steps):
-            tracker.add_scalar(f"train/acc_step{j}", record["step_acc"][j], step)
-            if "eval" in record:
-                tracker.add_scalar(f"eval/acc_step{j}", record["eval"]["acc"][j], step)
+        tracker.log(record, record["step"])
     if callback is not None:
         callback(record)
 
@@ -579,7 +494,7 @@ def loop(run: TrainRun, progress: bool, callback: Optional[Callable]) -> tuple[s
     -> (stopped_by, tokens, seconds)."""
     t, dist = run.P.train, run.dist
     rank0 = dist.rank == 0
-    tracker = open_tracker(run)
+    tracker = open_tracker(t.tracking, run.layout, dist.rank, asdict(t))
     guard = DivergenceGuard(t, run.config.draft_vocab_size)
     bar = tqdm(total=run.total_steps, initial=run.step, desc="train", disable=not (progress and rank0))
     t0, tokens_seen, stopped_by = time.time(), 0.0, "steps"
@@ -603,7 +518,7 @@ def loop(run: TrainRun, progress: bool, callback: Optional[Callable]) -> tuple[s
             save_checkpoint(run.layout.checkpoints, run.step, run.model, run.optimizers, run.meta(), dist)
             last_saved = time.time()
         if rank0:
-            report(run, record, bar, tracker, callback)
+            report_step(run, record, bar, tracker, callback)
         if out_of_time and run.step < run.total_steps:
             stopped_by = "time_budget"
             break
@@ -615,7 +530,7 @@ def loop(run: TrainRun, progress: bool, callback: Optional[Callable]) -> tuple[s
 
 def finish(run: TrainRun, stopped_by: str, tokens_seen: float, seconds: float) -> dict:
     """final/ (the drafter with the aux scale folded into fc), summary.json, history.json."""
-    full = get_model_state_dict(run.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = full_weights(run.model)
     drafter_state = {k[len("drafter."):]: v for k, v in full.items() if k.startswith("drafter.")}
     history, L = run.history, run.layout
     evals = [r for r in history if "eval" in r]
@@ -633,8 +548,27 @@ def finish(run: TrainRun, stopped_by: str, tokens_seen: float, seconds: float) -
         save_final(L.final, fold_aux_scale(drafter_state, run.scoring.scale), run.config, summary)
         atomic_write_json(L.summary, summary)
         atomic_write_json(L.history, history)
+        update_metrics(L.root, "train", train_metrics(summary, history, run.P.train))
     run.dist.barrier()
     return summary
+
+
+def train_metrics(summary: dict, history: list, t: TrainParams) -> dict:
+    """metrics.json's "train" section: steps, why it stopped, the last loss, the held-out per-step
+    accuracy and acceptance (estimated and replayed), the last training speed."""
+    ev = summary.get("eval") or {}
+    speed = [r["tokens_per_s"] for r in history if "tokens_per_s" in r]
+
+    def rounded(x, digits=4):
+        return None if x is None else round(x, digits)
+    return {"steps": summary["steps"], "stopped_by": summary["stopped_by"], "epochs": round(summary["epochs_done"], 3),
+            "final_loss": rounded(summary["final_loss"]),
+            "eval_step_acc": [round(a, 4) for a in ev.get("acc", [])],
+            "eval_acceptance_estimate": rounded(ev.get("acceptance_estimate")),
+            "eval_acceptance_replayed": rounded(ev.get("acceptance_replayed")),
+            "train_tokens_per_s": rounded(speed[-1] if speed else None, 1),
+            "ttt_steps": t.ttt_steps, "dtype": t.dtype, "world_size": summary["world_size"],
+            "final_dir": summary["final_dir"]}
 
 
 def train(P: Params, run_dir, progress: bool = True, callback: Optional[Callable] = None,
@@ -690,6 +624,8 @@ def main(argv=None) -> int:
     with run_lock(run_dir) if rank0 else contextlib.nullcontext():
         summary = train(P, run_dir, progress=not a.no_progress)
     if rank0:
+        from .report import write_index  # the index page the notebook route leaves too
+        write_index(run_dir)
         print(json.dumps(summary, indent=2, default=str))
     return 0
 

@@ -1,7 +1,7 @@
 """The generated report of an evaluation: verdict sentences and plots, computed from the summary
 tables of `evaluate` (one row per method; the baseline row is named PLAIN), never written by hand.
 
-    text = verdict(summary, vllm_summary, eagle3="eagle3_k3", ngram="ngram_k3_n1-4")   # 05_eval
+    text = eagle3_verdict(summary, vllm_summary, eagle3="eagle3_k3", ngram="ngram_k3_n1-4")   # 05_eval
     text = ngram_verdict(summary, vllm_summary)                                        # 01_ngram_baseline
     fig = plot_speed_and_acceptance(summary, vllm_summary)
     text = breadth_verdict(breadth)        # 05_eval's breadth table: who wins per (domain, temperature)
@@ -87,7 +87,7 @@ def ngram_verdict(summary, vllm_summary=None) -> str:
     return "\n".join(lines)
 
 
-def verdict(summary, vllm_summary=None, eagle3: Optional[str] = None, ngram: Optional[str] = None) -> str:
+def eagle3_verdict(summary, vllm_summary=None, eagle3: Optional[str] = None, ngram: Optional[str] = None) -> str:
     """A verdict computed from the numbers: per-backend speed of every method versus plain, and,
     when both are given, EAGLE-3 versus n-gram and the eagle3lib/vLLM acceptance agreement."""
     lines = method_sentences(summary, "eagle3lib")
@@ -166,7 +166,7 @@ def grouped_speed_bars(series: list, keys: list, tick_labels: list, ylabels: tup
                        rotation: float = 0, legend_size=None):
     """Two bar charts side by side, speedup and acceptance length: one group of bars per x key, one
     bar per series. series: [(label, {key: (speedup, acceptance_length)})]; a series may lack keys."""
-    import matplotlib.pyplot as plt   # lazy: matplotlib is only needed when a notebook draws
+    import matplotlib.pyplot as plt  # lazy: matplotlib is only needed when a notebook draws
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     width = 0.8 / max(len(series), 1)
     for j, (label, values) in enumerate(series):
@@ -197,7 +197,7 @@ def plot_speed_and_acceptance(summary, vllm_summary=None, title: str = ""):
 
 def plot_per_position(tables: dict, title: str = "per-position acceptance"):
     """tables: {label: per_position_table DataFrame}; one line per (label, method)."""
-    import matplotlib.pyplot as plt   # lazy: matplotlib is only needed when a notebook draws
+    import matplotlib.pyplot as plt  # lazy: matplotlib is only needed when a notebook draws
     fig, ax = plt.subplots(figsize=(6, 3.8))
     for label, t in tables.items():
         for method, row in t.iterrows():

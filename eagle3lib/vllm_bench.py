@@ -41,8 +41,9 @@ elapsed_s, decode_s, decode_tokens_per_s, num_new_tokens, load_s, acceptance_len
 num_draft_tokens, num_accepted, per_position_acceptance, outputs: [[token ids] per prompt],
 per_prompt: [{num_drafts, num_draft_tokens, num_accepted, accepted_per_position} per prompt]
 (null when batched), groups: [{name, temperature, seeded_repeat_equal, and the measurement keys
-above from elapsed_s on} per spec group]}]}; "platform": vLLM's device type ("cpu", "cuda"). elapsed_s is the time spent in `generate` (the counters are read between
-requests, outside it); tokens_per_s is end to end (prefill included); decode_tokens_per_s excludes each request's
+above from elapsed_s on} per spec group]}]}; "platform": vLLM's device type ("cpu", "cuda").
+elapsed_s is the time spent in `generate` (the counters are read between requests, outside it);
+tokens_per_s is end to end (prefill included); decode_tokens_per_s excludes each request's
 prefill and first token (from RequestOutput.metrics first/last token times; batched runs fall
 back to the end-to-end rate).
 Acceptance length follows vLLM: 1 + accepted / drafts (drafts = verify rounds with drafts).
@@ -191,7 +192,8 @@ def _check_spec(spec: dict) -> None:
             raise ValueError(f"vLLM bench spec: group {g['name']!r}: prompts must be a non-empty list of "
                              "non-empty token-id lists")
         if not g["temperature"] >= 0:
-            raise ValueError(f"vLLM bench spec: group {g['name']!r}: temperature must be >= 0, got {g['temperature']!r}")
+            raise ValueError(f"vLLM bench spec: group {g['name']!r}: temperature must be >= 0, "
+                             f"got {g['temperature']!r}")
     if spec.get("groups") and spec.get("batched", False):
         raise ValueError("vLLM bench spec: groups run one request at a time; they cannot be combined with batched")
     if not (Path(spec["target"]) / "config.json").is_file():
@@ -226,7 +228,7 @@ def speculative_config(m: dict) -> Optional[dict]:
 
 def read_spec_metrics(llm) -> dict:
     """The spec-decode counters of `llm.get_metrics()`, summed over label sets."""
-    from vllm.v1.metrics.reader import Counter, Vector   # lazy: vLLM (heavy, optional) runs in the child only
+    from vllm.v1.metrics.reader import Counter, Vector  # lazy: vLLM (heavy, optional) runs in the child only
     out = {name: 0 for name in SPEC_METRICS}
     per_pos: list = []
     for metric in llm.get_metrics():
@@ -285,7 +287,7 @@ def mode_engine_kwargs(spec: dict, m: dict) -> dict:
 
 
 def _run_mode(spec: dict, m: dict) -> dict:
-    from vllm import LLM, SamplingParams   # lazy: vLLM (heavy, optional) runs in the child only
+    from vllm import LLM, SamplingParams  # lazy: vLLM (heavy, optional) runs in the child only
 
     prompts = [{"prompt_token_ids": list(map(int, p))} for p in spec["prompts"]]
     t0 = time.perf_counter()
@@ -370,7 +372,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     spec = json.loads(Path(args.spec).read_text())
     _check_spec(spec)
-    import vllm   # lazy: vLLM (heavy, optional) runs in this child process only
+    import vllm  # lazy: vLLM (heavy, optional) runs in this child process only
     from vllm.platforms import current_platform
     result = {"vllm_version": vllm.__version__, "platform": current_platform.device_type,
               "iomp_preloaded": "libiomp5" in os.environ.get("LD_PRELOAD", ""),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3lib.decode import target_forward, _new_cache
+from eagle3lib.decode import _new_cache, target_forward
 
 
 def greedy_sequences(target, prompts, max_new_tokens):

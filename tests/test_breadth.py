@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-import pandas as pd
 import pytest
 
 from eagle3lib import domains
@@ -44,7 +43,7 @@ def test_humaneval_prompts_are_rendered_with_the_chat_template(smollm2_dir):
     assert f"```python\n{stub}```" in text
     assert text.endswith("<|im_start|>assistant\n")                    # the generation prompt
     # the same ids as evaluate.render_prompt gives the chat prompts, and the same on a second call
-    assert prompts[1]["input_ids"] == ev.render_prompt(tok, domains.humaneval_messages(stub))
+    assert prompts[1]["input_ids"] == domains.render_prompt(tok, domains.humaneval_messages(stub))
     assert domains.domain_prompts("humaneval", tok, limit=3)[0] == prompts
 
 
@@ -141,7 +140,8 @@ def test_each_group_counts_only_its_own_requests():
     a = _run_group(llm, spec, {"name": "A", "prompts": [[1], [2]], "temperature": 0.7}, sampling_params)
     b = _run_group(llm, spec, {"name": "B", "prompts": [[3]], "temperature": 1.0}, sampling_params)
     assert (main["num_drafts"], main["num_accepted"]) == (9, 9)
-    assert (a["name"], a["temperature"], a["num_drafts"], a["num_draft_tokens"], a["num_accepted"]) == ("A", 0.7, 10, 20, 5)
+    assert (a["name"], a["temperature"], a["num_drafts"], a["num_draft_tokens"], a["num_accepted"]) == \
+        ("A", 0.7, 10, 20, 5)
     assert a["acceptance_length"] == pytest.approx(1.5)
     assert a["per_position_acceptance"] == pytest.approx([0.4, 0.1])
     assert [c["num_drafts"] for c in a["per_prompt"]] == [4, 6]
@@ -213,7 +213,8 @@ def test_breadth_verdict_names_the_winner_of_each_group():
     raw["modes"][2]["groups"][0]["decode_tokens_per_s"] = 15.0
     assert "humaneval, T=0: ngram_k2 wins" in V.breadth_verdict(ev.breadth_summary(raw, GROUPS, P))
     raw["modes"][2]["groups"][0]["decode_tokens_per_s"] = 30.5
-    assert "humaneval, T=0: eagle3_k2 and ngram_k2 tie ahead of plain" in V.breadth_verdict(ev.breadth_summary(raw, GROUPS, P))
+    verdict = V.breadth_verdict(ev.breadth_summary(raw, GROUPS, P))
+    assert "humaneval, T=0: eagle3_k2 and ngram_k2 tie ahead of plain" in verdict
     raw["modes"][1]["groups"][1]["decode_tokens_per_s"] = 4.0
     raw["modes"][2]["groups"][1]["decode_tokens_per_s"] = 6.0
     assert "chat, T=0.7: plain decoding wins" in V.breadth_verdict(ev.breadth_summary(raw, GROUPS, P))

@@ -18,13 +18,13 @@ import pytest
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file
+from test_train import make_run, run_script, sharp_target_dir  # noqa: F401  (a fixture)
 
+from eagle3lib.checkpoints import SHARDED_META, latest_checkpoint, load_checkpoint, save_checkpoint
 from eagle3lib.dist import Dist
 from eagle3lib.model import Eagle3Config, Eagle3Drafter
 from eagle3lib.params import load_params
-from eagle3lib.checkpoints import SHARDED_META, latest_checkpoint, load_checkpoint, save_checkpoint
-from eagle3lib.train import train, torchrun_command
-from test_train import make_run, run_script, sharp_target_dir  # noqa: F401  (a fixture)
+from eagle3lib.train import torchrun_command, train
 
 MAX_STEPS = 9          # checkpoint_every 2 (make_run): checkpoints at steps 2, 4, 6, 8, 9
 

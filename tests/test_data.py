@@ -9,9 +9,9 @@ import torch
 
 from eagle3lib import chats as C
 from eagle3lib import data as D
+from eagle3lib import regenerate as D_regen
 from eagle3lib.layout import RunLayout
 from eagle3lib.params import load_params
-from eagle3lib import regenerate as D_regen
 from eagle3lib.regenerate import load_results, regen_key, regenerate_chats, write_chunk
 
 END = "<|im_end|>"
@@ -475,8 +475,8 @@ def test_regenerate_keeps_results_from_an_interrupted_run(tiny_target_dir, tmp_p
     tok = load_tokenizer(tiny_target_dir)
     prompt = prompt_ids(tok, REGEN_CHATS[1]["messages"][:2])
     answer, _ = reply_ids(tok, "CACHED ANSWER", False)
-    cached = {"id": "b", "key": D_regen.prompt_key(REGEN_CHATS[1], P.data.regen_max_turns), "messages": [{"role": "user", "content": "2+2?"},
-                                      {"role": "assistant", "content": "CACHED ANSWER"}],
+    cached = {"id": "b", "key": D_regen.prompt_key(REGEN_CHATS[1], P.data.regen_max_turns),
+              "messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "CACHED ANSWER"}],
               "status": "ok", "turns": 1, "new_tokens": 3, "capped": False, "empty_outputs": 0,
               "inconsistent": False, "prompt_ids": [prompt], "output_ids": [answer]}
     write_chunk(out_dir, [cached])
@@ -658,14 +658,14 @@ def test_regenerate_vllm_subprocess(smollm2_dir, tmp_path, capsys, monkeypatch):
 def test_jsonl_chunks_survive_unicode_line_separators(tmp_path):
     """Python's str.splitlines() also splits on U+2028/U+2029/U+0085, which json.dumps(ensure_ascii=False)
     leaves raw inside strings: a ShareGPT answer holding one broke the vLLM regeneration requests."""
-    from eagle3lib.regenerate import load_results, write_chunk
+    from eagle3lib.regenerate import write_chunk
     tricky = "line one\u2028line two\u2029para\x85next\x1cfs"
     write_chunk(tmp_path, [{"id": "a", "key": "ka", "text": tricky}, {"id": "b", "key": "kb", "text": "plain"}])
     results = results_by_id(tmp_path)
     assert results["a"]["text"] == tricky and results["b"]["text"] == "plain"
 
 
-# ---- stale data and bad bytes (issue 19) ----------------------------------------------------
+# ---- stale data and bad bytes ----------------------------------------------------
 def test_non_utf8_records_are_counted_as_malformed(tmp_path):
     """One record with bytes that are not UTF-8 is counted ("not_utf8"); the others are read."""
     recs = [openai(("user", f"q{i}"), ("assistant", f"a{i}"), id=f"c{i}") for i in range(3)]
@@ -765,7 +765,8 @@ def test_several_sources_prefix_ids_dedupe_across_and_count_per_source(tmp_path)
     source = [{"path": str(a), "max_records": 3}, str(b), {"path": str(folder), "max_records": None}]
     chats, stats = C.load_chats(source)
     ids = [c["id"] for c in chats]
-    assert ids == ["a.jsonl:c0", "a.jsonl:c1", "a.jsonl:c2", "b.json:c1", "saved:s0", "saved:s1", "saved:s2", "saved:s3"]
+    assert ids == ["a.jsonl:c0", "a.jsonl:c1", "a.jsonl:c2", "b.json:c1",
+                   "saved:s0", "saved:s1", "saved:s2", "saved:s3"]
     per = {s["item"]: s for s in stats["sources"]}
     assert per["data.source[0]"]["records_read"] == 3 and per["data.source[0]"]["valid"] == 3
     assert per["data.source[1]"]["duplicates"] == 1 and per["data.source[1]"]["malformed"] == {"unknown_role": 1}

@@ -7,11 +7,20 @@ from typing import Optional
 
 import pytest
 import torch
-
 from drafter_fit import fit_drafter, greedy_sequences
+
 from eagle3lib import decode
-from eagle3lib.decode import (DecodeStats, Eagle3Proposer, NgramProposer, Proposal, Proposer,
-                              greedy_generate, random_drafter, speculative_generate, target_forward)
+from eagle3lib.decode import (
+    DecodeStats,
+    Eagle3Proposer,
+    NgramProposer,
+    Proposal,
+    Proposer,
+    greedy_generate,
+    random_drafter,
+    speculative_generate,
+    target_forward,
+)
 from eagle3lib.target import load_target, load_target_tensors
 
 MAX_NEW = 40

@@ -11,8 +11,16 @@ from eagle3lib import evaluate as ev
 from eagle3lib import verdict as V
 from eagle3lib.layout import RunLayout
 from eagle3lib.params import load_params
-from eagle3lib.vllm_bench import (PER_POS_METRIC, SPEC_METRICS, _generate_one_by_one, iomp_library, mode,
-                                  read_spec_metrics, speculative_config, subprocess_env)
+from eagle3lib.vllm_bench import (
+    PER_POS_METRIC,
+    SPEC_METRICS,
+    _generate_one_by_one,
+    iomp_library,
+    mode,
+    read_spec_metrics,
+    speculative_config,
+    subprocess_env,
+)
 
 
 def row(method, k, new_tokens, seconds, prefill_s, forwards, drafts, draft_tokens, accepted, per_pos,
@@ -53,16 +61,16 @@ def test_summary_pools_over_prompts(per_prompt):
 
 
 def test_verdict_is_computed_from_the_numbers(per_prompt):
-    text = V.verdict(ev.summarize(per_prompt), eagle3="eagle3_k2")
+    text = V.eagle3_verdict(ev.summarize(per_prompt), eagle3="eagle3_k2")
     assert "eagle3_k2 is 2.00x faster than plain decoding" in text
     assert "Outputs differ from plain greedy for eagle3_k2" in text
     slow = per_prompt.copy()
     slow.loc[slow["method"] == "eagle3_k2", "seconds"] = [3.0, 5.0]
-    assert "SLOWER than plain" in V.verdict(ev.summarize(slow))
+    assert "SLOWER than plain" in V.eagle3_verdict(ev.summarize(slow))
     assert V.speed_phrase(1.02).startswith("no measurable change")
     nothing = per_prompt.copy()
     nothing.loc[nothing["method"] == "eagle3_k2", "num_accepted"] = 0
-    assert "measurement noise" in V.verdict(ev.summarize(nothing))
+    assert "measurement noise" in V.eagle3_verdict(ev.summarize(nothing))
 
 
 def test_ngram_verdict_says_when_ngram_is_slower(per_prompt):
@@ -131,7 +139,7 @@ def test_decoder_runs_a_prefix_of_the_vllm_prompts():
     assert ev.decoder_subset(P, prompts) == prompts
 
 
-# ---- the notebooks' correctness checks (issue 21): each must catch a planted fault --------------
+# ---- the notebooks' correctness checks: each must catch a planted fault --------------
 
 FP32_T0 = {"eval": {"dtype": "float32", "vllm_dtype": "float32", "temperature": 0.0}}
 
@@ -260,4 +268,4 @@ def test_skipped_reference_decoder_is_recorded_instead_of_eagle3lib_rows(tmp_pat
                         max_new_tokens=8)
     assert m["reference_decoder"] == {"ran": False, "skip_reason": "too big"}
     assert m["eagle3lib"] == {} and m["acceptance_length_eagle3lib"] is None and m["decoder_prompts"] == 0
-    assert isinstance(V.verdict(ev.empty_summary(), None, eagle3="eagle3_k4", ngram="ngram_k4_n1-4"), str)
+    assert isinstance(V.eagle3_verdict(ev.empty_summary(), None, eagle3="eagle3_k4", ngram="ngram_k4_n1-4"), str)

@@ -10,11 +10,19 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from eagle3lib.export import (LAYOUTS, VllmExportError, config_from_export, export_layout, export_vllm,
-                              load_drafter, load_export, vllm_incompatibilities)
+from eagle3lib.checkpoints import save_final
+from eagle3lib.export import (
+    LAYOUTS,
+    VllmExportError,
+    config_from_export,
+    export_layout,
+    export_vllm,
+    load_drafter,
+    load_export,
+    vllm_incompatibilities,
+)
 from eagle3lib.model import Eagle3Config, Eagle3Drafter
 from eagle3lib.target import load_target_tensors
-from eagle3lib.checkpoints import save_final
 
 CHOICES = [dict(norm_before_residual=True),
            dict(norm_before_residual=False, norm_before_fc=True),
@@ -104,7 +112,8 @@ def test_config_json_keys(tiny_target_dir, tmp_path, norm_before_residual):
     assert sc["verifier"]["name_or_path"] == str(tiny_target_dir)
     assert sc["verifier"]["architectures"] == ["LlamaForCausalLM"]
 
-    orig = json.loads((export_vllm(model, tmp_path / "a", tiny_target_dir, layout="eagle3") / "config.json").read_text())
+    orig_dir = export_vllm(model, tmp_path / "a", tiny_target_dir, layout="eagle3")
+    orig = json.loads((orig_dir / "config.json").read_text())
     assert orig["architectures"] == ["LlamaForCausalLMEagle3"] and orig["num_hidden_layers"] == 1
     assert orig["norm_before_residual"] is norm_before_residual
     assert orig["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": True}

@@ -167,13 +167,14 @@ def test_rerun_skips_finished_shards_unhashed_and_redoes_the_ones_verification_f
     P = make_params(tiny_target_dir, tmp_path)
     dataset.save_to_disk(str(P.layout().data_split("train")))     # where the data stage puts it
     first = extract_hidden_states(P, P.run_dir(), "train", progress=False)
-    assert check_cache(P, P.layout(), "train")        # verified once (04's training does this)
+    verified = hc.read_verified(P.layout().hidden("train"))      # the stage ends with the verification
+    assert len(verified["hashed"]) == first["num_shards"] and verified["bad"] == {}
     hashed = []
     real_sha = hc.file_sha256
     monkeypatch.setattr(hc, "file_sha256", lambda path: hashed.append(Path(path).name) or real_sha(path))
     again = extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
     assert first["shards_written"] == first["num_shards"] and again["shards_written"] == 0
-    assert hashed == []                               # a rerun after verification reads no shard again
+    assert hashed == []                               # a rerun (or 04's check) reads no shard again
     out = P.layout().hidden("train")
     victim = out / "shard-00001.safetensors"
     data = bytearray(victim.read_bytes())
@@ -586,7 +587,9 @@ def test_fidelity_never_records_the_skip_and_loads_nothing(tiny_target_dir, tmp_
     metrics = ex.check_fidelity(P, P.layout(), HiddenCache(P.layout().hidden("eval")))
     assert metrics == {"fidelity": "skipped", "fidelity_skip_reason": ex.fidelity_plan(P)[1]}
     assert "'never'" in metrics["fidelity_skip_reason"]
-    assert json.loads(P.layout().metrics.read_text())["extract"] == metrics
+    recorded = json.loads(P.layout().metrics.read_text())["extract"]
+    assert {k: recorded[k] for k in metrics} == metrics                 # beside the stage's own keys
+    assert recorded["eval_sequences"] == len(HiddenCache(P.layout().hidden("eval")))
 
 
 def test_hf_fidelity_is_the_fresh_forward_as_before(confident_target_dir, tmp_path, dataset):

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_extract import make_dataset
 
 from eagle3lib.cache import CacheError, HiddenCache
 from eagle3lib.engine import build_kwargs, engine_kwargs
 from eagle3lib.extract import extract_hidden_states
 from eagle3lib.extract_vllm import FinalNorm, check_states, find_final_norm, vllm_support_error
 from eagle3lib.params import ParamsError, load_params
-from test_extract import make_dataset
 from eagle3lib.target import load_target_tensors
 
 pytestmark = pytest.mark.vllm
@@ -61,7 +61,8 @@ def test_vllm_cache_equals_hf_cache(runs):
     assert sv["complete"] and sv["num_shards"] == sh["num_shards"] >= 3
     assert sv["bytes_total"] == sh["bytes_total"]                   # same file sizes, same reader
     assert vc.aux_layers == hc.aux_layers and len(vc) == len(hc) == 11
-    assert not list(Path(sv["path"]).glob(".vllm-staging-*")) and not list(Path(sv["path"]).parent.glob(".vllm-staging-*"))
+    assert not list(Path(sv["path"]).glob(".vllm-staging-*"))
+    assert not list(Path(sv["path"]).parent.glob(".vllm-staging-*"))
     worst = {"aux": 0.0, "final": 0.0}
     for i in range(len(hc)):
         v, h = vc.get(i), hc.get(i)

@@ -6,13 +6,22 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from pathlib import Path
-
-from eagle3lib.files import (LOCK_TOKEN_ENV, MetricsError, RunLocked, UnsafeLink, atomic_dir,
-                            check_run_links, read_metrics, remove_tree, run_lock, update_metrics)
+from eagle3lib.files import (
+    LOCK_TOKEN_ENV,
+    MetricsError,
+    RunLocked,
+    UnsafeLink,
+    atomic_dir,
+    check_run_links,
+    read_metrics,
+    remove_tree,
+    run_lock,
+    update_metrics,
+)
 from eagle3lib.layout import RunLayout
 
 
@@ -47,7 +56,7 @@ def test_atomic_dir_creates_missing_parents(tmp_path):
     assert (out / "x").read_bytes() == b"1"
 
 
-# ---- remove_tree: deletes only strictly inside its root (issue 19, item 2) -------------------------
+# ---- remove_tree: deletes only strictly inside its root ----------------------------------------------
 def test_remove_tree_deletes_inside_the_root(tmp_path):
     run = tmp_path / "outputs" / "ci"
     (run / "data" / "train").mkdir(parents=True)
@@ -73,7 +82,7 @@ def test_remove_tree_refuses_anything_not_strictly_inside(tmp_path, target):
     assert (outside / "keep").read_text() == "1" and run.is_dir()
 
 
-# ---- run_lock: one process per run folder (issue 19, item 6) -------------------------------------
+# ---- run_lock: one process per run folder --------------------------------------------------------
 HOLDER = """
 import sys, time
 from eagle3lib.files import run_lock

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_model import random_drafter, small_config
 from torch.nn.attention.flex_attention import create_block_mask
 
 import eagle3lib.model as model_lib
 from eagle3lib.batches import bucket_batches, collate
 from eagle3lib.objective import TargetHead, prepare_batch, step_counts, ttt_loss
-from test_model import random_drafter, small_config
 
 STEPS = 50
 TTT_STEPS = 3

@@ -8,13 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
-from eagle3lib.objective import (LinearAcceptanceLoss, LinearSoftCrossEntropy, TTTObjective, evaluate, step_counts,
-                                 ttt_loss)
-from eagle3lib.params import ParamsError, load_params
-
 from test_model import _loss_setup, random_drafter, small_config
 from test_train import make_run
+
+from eagle3lib.objective import (
+    LinearAcceptanceLoss,
+    LinearSoftCrossEntropy,
+    TTTObjective,
+    heldout_scores,
+    step_counts,
+    ttt_loss,
+)
+from eagle3lib.params import ParamsError, load_params
 
 ETA = 3.0
 
@@ -218,7 +223,7 @@ def test_a_tiny_lk_run_raises_the_heldout_acceptance_estimate(tmp_path, token_ma
     P = load_params(path)
     run0 = setup(P, RunLayout(P.run_dir()), Dist(), torch.device("cpu"))   # the drafter train() starts from
     assert run0.scoring.objective.loss == "lk"
-    before = evaluate(run0.model, run0.eval_batches, P.train.ttt_steps, run0.scoring.amp)
+    before = heldout_scores(run0.model, run0.eval_batches, P.train.ttt_steps, run0.scoring.amp)
     summary = train(P, P.run_dir(), progress=False)
     after = summary["eval"]
     assert summary["steps"] == 16

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from eagle3lib import memory
-from eagle3lib.memory import GB, GiB, SAVED_DRAFTER, SAVED_LOSS
+from eagle3lib.memory import GB, SAVED_DRAFTER, SAVED_LOSS, GiB
 from eagle3lib.model import Eagle3Drafter
 from eagle3lib.objective import TTTObjective
 from eagle3lib.params import ParamsError, load_params
@@ -41,7 +41,7 @@ def test_meta_count_equals_a_real_cpu_step():
     assert saved_math["drafter"] > saved_cpu["drafter"]
 
 
-# The review (issue 17): saved for backward by the b300 drafter's TTT unroll, manual attention, one
+# The memory review: saved for backward by the b300 drafter's TTT unroll, manual attention, one
 # 32,768-token micro-batch, bf16, counted on the meta device (whose sdpa is the math path).
 REVIEW_GIB = {512: 149, 1024: 189, 2048: 269, 4096: 429}
 
@@ -101,7 +101,7 @@ def test_plan_shows_memory_marked_measured_or_assumed():
 
 
 def test_b300_fits_in_288_gb_per_gpu_with_20_percent_headroom():
-    """Issue 17's goal: the b300 profile as written fits one B300 (288 GB) with >= 20% headroom at
+    """The goal: the b300 profile as written fits one B300 (288 GB) with >= 20% headroom at
     its max_length (4,096) and at 2,048 tokens. Fails until params/b300.yaml selects an attention
     without T x T scores and per-TTT-step activation checkpointing (or a smaller batch)."""
     P = load_params("params/b300.yaml")
@@ -113,7 +113,7 @@ def test_b300_fits_in_288_gb_per_gpu_with_20_percent_headroom():
 
 
 def test_gathered_units_follow_the_fsdp_layout_of_the_trainer():
-    """train.shard_objective keeps the decoder layer and the drafter unit (norm + lm_head) gathered
+    """parallel.shard_objective keeps the decoder layer and the drafter unit (norm + lm_head) gathered
     through the TTT steps and gathers the embedding or fc on top while it computes: at Kimi shapes
     midlayer + norm + lm_head + the embedding, not the two largest units."""
     fake = {"embed_tokens": (100, 0), "fc": (10, 10), "midlayer": (50, 50), "norm": (1, 1), "lm_head": (30, 30)}

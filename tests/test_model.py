@@ -5,10 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3lib.model import (ATTENTION_CHOICES, ATTENTION_IMPLS, DraftKVCache, Eagle3Config, Eagle3Drafter,
-                             resolve_attention)
+from eagle3lib.model import (
+    ATTENTION_CHOICES,
+    ATTENTION_IMPLS,
+    DraftKVCache,
+    Eagle3Config,
+    Eagle3Drafter,
+    resolve_attention,
+)
 from eagle3lib.params import CHOICES, TrainParams
-from eagle3lib.target import load_target_tensors
 
 # CUDA joins the device-parametrised tests where there is one (run them on a GPU machine with
 # `pytest tests/test_model.py -k cuda`); there are no skips on a CPU-only machine, the case is absent.
@@ -270,6 +275,7 @@ def test_from_target_config_reads_rope_parameters(tiny_target_dir):
 
 def test_from_target_copies_embedding_and_head_rows(tiny_target_dir):
     from transformers import AutoConfig
+
     from eagle3lib.target import load_target_tensors
     hf = AutoConfig.from_pretrained(str(tiny_target_dir))
     Dv = 50

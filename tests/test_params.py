@@ -14,7 +14,10 @@ def write(tmp_path: Path, text: str, name="p.yaml") -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "params").glob("*.yaml")))
+PROFILE_NAMES = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "params").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", PROFILE_NAMES)
 def test_shipped_profiles_load(name):
     p = load_params(f"params/{name}.yaml")
     assert p.run_name == name
@@ -104,7 +107,8 @@ def test_cli_params_rejects_bad_profile_naming_the_key(tmp_path):
 
 
 def test_params_module_imports_nothing_heavy():
-    code = "import sys, eagle3lib.params, eagle3lib.plan, eagle3lib.cli; print(any(m in sys.modules for m in ('torch', 'transformers', 'papermill')))"
+    code = ("import sys, eagle3lib.params, eagle3lib.plan, eagle3lib.cli; "
+            "print(any(m in sys.modules for m in ('torch', 'transformers', 'papermill')))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.stdout.strip() == "False"
 
@@ -118,7 +122,8 @@ def test_non_causal_config_is_a_params_error(tmp_path):
 
 
 CPUINFO = {
-    "avx2": "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx fma avx2\n\nprocessor\t: 1\nflags\t\t: fpu sse2 avx fma avx2\n",
+    "avx2": "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx fma avx2\n\n"
+            "processor\t: 1\nflags\t\t: fpu sse2 avx fma avx2\n",
     "amx": "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile amx_bf16\n",
     "arm": "processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n",
 }
@@ -137,6 +142,7 @@ def test_auto_dtype_is_bf16_only_where_bf16_math_is_native(tmp_path, cpu, cuda, 
 @pytest.mark.parametrize("cpu, expected", [("avx2", "float32"), ("amx", "bfloat16")])
 def test_load_params_resolves_dtype_auto_for_this_machine(tmp_path, monkeypatch, cpu, expected):
     import torch
+
     import eagle3lib.params as params
     info, read_flags = write(tmp_path, CPUINFO[cpu], "cpuinfo"), params.cpu_flags
     monkeypatch.setattr(params, "cpu_flags", lambda: read_flags(info))
@@ -146,7 +152,7 @@ def test_load_params_resolves_dtype_auto_for_this_machine(tmp_path, monkeypatch,
     assert "dtype: auto" not in params.dump(p)     # reports, cache keys and subprocesses see the concrete dtype
 
 
-# ---- run names (issue 19, item 2): one folder directly under outputs/ ----------------------------
+# ---- run names: one folder directly under outputs/ ----------------------------
 BAD_RUN_NAMES = ["..", ".", "../x", "/tmp/x", "a/b", "a\\b", "", ".hidden", "x" * 101, "a b", "ci\n"]
 
 
@@ -172,7 +178,7 @@ def test_good_run_names_stay_directly_under_outputs(name):
     assert ci.run_dir(name).parent == ci.outputs_root() and ci.layout(name).root.name == name
 
 
-# ---- bad input (issue 19, item 5) ------------------------------------------------------------------
+# ---- bad input ------------------------------------------------------------------
 @pytest.mark.parametrize("text", ["", "# only a comment\n# and another\n", "{}\n"])
 def test_empty_profile_is_refused_and_says_how_to_start(tmp_path, text):
     path = write(tmp_path, text)
@@ -189,6 +195,7 @@ def test_inherit_only_profile_is_not_empty(tmp_path):
 def _float_fields():
     import dataclasses
     import typing
+
     from eagle3lib.params import SECTIONS
     for sec, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
@@ -216,6 +223,7 @@ def test_non_finite_floats_are_refused_for_every_float_field(tmp_path, key, valu
 
 def test_validate_refuses_non_finite_floats_set_in_code():
     import dataclasses
+
     from eagle3lib.params import validate
     p = load_params("params/ci.yaml")
     with pytest.raises(ParamsError, match="^train.epochs: must be a finite"):

@@ -2,15 +2,16 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import nbformat
 import pytest
-
 from tiny_notebooks import tiny_notebook
+
 from eagle3lib.data import prepare_data
+from eagle3lib.layout import RunLayout
 from eagle3lib.params import ParamsError, load_params
 from eagle3lib.plan import REGEN_ANSWER_FILL, capacity_plan, format_plan, measured_stats
-from eagle3lib.layout import RunLayout
 from eagle3lib.runner import NotebookFailed, run_pipeline, select_stages
 from eagle3lib.stats import DataStats, SplitStats
 
@@ -82,7 +83,8 @@ def test_plan_counts_only_regenerated_chats_as_regeneration():
     plan = capacity_plan(mixed)
     assert plan["regen_tokens"] == int((1000 + mixed.data.num_eval) * n)
     per_regen = capacity_plan(full)["tokens_per_conversation"]
-    per_original = capacity_plan(load_params("params/local.yaml", {"data": {"regenerate": False}}))["tokens_per_conversation"]
+    original = load_params("params/local.yaml", {"data": {"regenerate": False}})
+    per_original = capacity_plan(original)["tokens_per_conversation"]
     assert per_regen != per_original
     assert plan["tokens_per_conversation"] == pytest.approx((1000 * per_regen + 2000 * per_original) / 3000, abs=0.1)
 
@@ -90,8 +92,21 @@ def test_plan_counts_only_regenerated_chats_as_regeneration():
 def test_cli_plan_prints_bytes_and_hours():
     r = subprocess.run([sys.executable, "-m", "eagle3lib.cli", "plan", "--params", "params/b300.yaml"],
                        capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    # exit 4 exactly when a row is REFUSED (here: this small host's memory for b300's held-out set)
+    assert r.returncode == (4 if "REFUSED" in r.stdout else 0), r.stdout[-2000:] + r.stderr
     assert "hidden-state cache" in r.stdout and "TB" in r.stdout and "Kimi" in r.stdout
+
+
+def test_cli_plan_exits_nonzero_when_the_run_would_be_refused(tmp_path):
+    """A REFUSED row (here: warmup far beyond 10 % of the planned steps) makes `eagle3 plan` exit 4,
+    so a script can gate `eagle3 run` on it."""
+    prof = tmp_path / "p.yaml"
+    prof.write_text(f"inherit: {Path('params/b300.yaml').resolve()}\n"
+                    "train: {warmup_fraction: null, warmup_steps: 100000}\n")
+    r = subprocess.run([sys.executable, "-m", "eagle3lib.cli", "plan", "--params", str(prof)],
+                       capture_output=True, text=True)
+    assert r.returncode == 4, r.stdout[-2000:] + r.stderr
+    assert "REFUSED" in r.stdout and "train.warmup_steps" in r.stdout
 
 
 def test_select_stages_keeps_pipeline_order_and_rejects_unknown():

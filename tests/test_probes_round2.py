@@ -94,10 +94,11 @@ def _copy_target(src: Path, dst: Path, change_weights: bool) -> Path:
 def test_a_drafter_refuses_another_target_of_the_same_shape(tiny_target_dir, tmp_path):
     """Reproduction: same run, target.path changed to another checkpoint of the same shape, then
     `--only eval`: the export and the eval loaded the drafter against it and exit 0."""
+    from test_export import make_drafter
+
     from eagle3lib.checkpoints import save_final
     from eagle3lib.export import export_vllm, load_drafter, load_export
     from eagle3lib.fingerprint import TargetMismatch, target_fingerprint
-    from test_export import make_drafter
 
     model = make_drafter(tiny_target_dir, 300)
     final = tmp_path / "train" / "final"

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import nbformat
 import yaml
+from tiny_notebooks import tiny_notebook
 
 from eagle3lib.params import dump, load_params, repo_root
 from eagle3lib.report import compare_runs, markdown_table, plot_training_curves, write_index
 from eagle3lib.runner import NotebookFailed, run_pipeline
-from tiny_notebooks import tiny_notebook
 
 
 def fake_run(root: Path, name: str, lr: float, acc: float, with_eval: bool = True) -> Path:

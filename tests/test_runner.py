@@ -7,8 +7,8 @@ from pathlib import Path
 
 import nbformat
 import pytest
-
 from tiny_notebooks import tiny_notebook
+
 from eagle3lib.files import LOCK_TOKEN_ENV, RunLocked
 from eagle3lib.layout import RunLayout
 from eagle3lib.params import ParamsError, repo_root
@@ -110,7 +110,8 @@ def test_vllm_subprocess_progress_lines_reach_stderr_and_the_log(tmp_path, capsy
              "print('[vllm_bench] plain: 12.0 tok/s'); raise SystemExit(3)"]
     log = tmp_path / "log.txt"
     returncode, tail = vllm_bench.run_logged(child, log, "[vllm_bench]", timeout=60, cwd=tmp_path)
-    assert returncode == 3 and tail == ["INFO engine noise", "[vllm_bench] mode plain", "[vllm_bench] plain: 12.0 tok/s"]
+    assert returncode == 3
+    assert tail == ["INFO engine noise", "[vllm_bench] mode plain", "[vllm_bench] plain: 12.0 tok/s"]
     err = capsys.readouterr().err.splitlines()
     assert err == ["[vllm_bench] mode plain", "[vllm_bench] plain: 12.0 tok/s"]
     assert "INFO engine noise" in log.read_text() and "[vllm_bench] mode plain" in log.read_text()

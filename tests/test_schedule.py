@@ -5,14 +5,20 @@ import os
 
 import pytest
 import torch
+from test_train import make_run, sharp_target_dir  # noqa: F401  (a fixture)
 
 from eagle3lib import scaling as sc
 from eagle3lib.layout import RunLayout
-from eagle3lib.params import (MAX_WARMUP_FRACTION, ParamsError, checkpoint_interval, load_params, max_warmup_steps,
-                              planned_warmup)
+from eagle3lib.params import (
+    MAX_WARMUP_FRACTION,
+    ParamsError,
+    checkpoint_interval,
+    load_params,
+    max_warmup_steps,
+    planned_warmup,
+)
 from eagle3lib.plan import capacity_plan, planned_steps, tokens_per_conversation, train_conversations
 from eagle3lib.train import lr_factor, schedule, train
-from test_train import make_run, sharp_target_dir  # noqa: F401  (a fixture)
 
 PROFILES = ["ci", "local", "local-long", "mini-kimi", "b300"]
 
@@ -33,7 +39,8 @@ def test_warmup_over_a_tenth_of_max_steps_is_refused_naming_the_key_and_the_fix(
     with pytest.raises(ParamsError, match="train.warmup_steps"):
         profile(tmp_path, "train: {max_steps: 12, warmup_steps: 3}")
     # a fraction follows max_steps and is checked by its own bound
-    assert profile(tmp_path, "train: {max_steps: 100, warmup_steps: 500, warmup_fraction: 0.05}").train.warmup_fraction == 0.05
+    both = profile(tmp_path, "train: {max_steps: 100, warmup_steps: 500, warmup_fraction: 0.05}")
+    assert both.train.warmup_fraction == 0.05
     with pytest.raises(ParamsError, match=r"train.warmup_fraction: must be in \[0, 0.1\]"):
         profile(tmp_path, "train: {warmup_fraction: 0.2}")
 

@@ -37,7 +37,8 @@ def test_missing_arctic_inference_is_a_clear_error(smollm2_dir, monkeypatch):
 def summary(suffix_tps: float) -> pd.DataFrame:
     rows = [("plain", 0, 10.0, 1.0, []), ("ngram_k4_n1-4", 4, 15.0, 2.9, [0.6, 0.5, 0.4, 0.4]),
             ("suffix_k4", 4, suffix_tps, 1.9, [0.4, 0.2, 0.2, 0.1])]
-    return pd.DataFrame([{"method": m, "k": k, "new_tokens": 100, "accepted": 50 * k, "tokens_per_s": tps, "speedup": tps / 10,
+    return pd.DataFrame([{"method": m, "k": k, "new_tokens": 100, "accepted": 50 * k, "tokens_per_s": tps,
+                          "speedup": tps / 10,
                           "acceptance_length": al, "tau": al, "per_position_acceptance": pp}
                          for m, k, tps, al, pp in rows])
 

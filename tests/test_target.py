@@ -5,8 +5,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3lib.target import (_DONE_MARKER, EMBEDDED_DIRNAME, eos_ids, load_target, load_target_tensors,
-                              load_tokenizer, materialize_embedded, missing_checkpoint_parts)
+from eagle3lib.target import (
+    _DONE_MARKER,
+    EMBEDDED_DIRNAME,
+    eos_ids,
+    load_target,
+    load_target_tensors,
+    load_tokenizer,
+    materialize_embedded,
+    missing_checkpoint_parts,
+)
 
 
 def test_materialised_checkpoint_is_a_clean_bf16_llama(smollm2_dir):
@@ -47,7 +55,7 @@ def test_half_built_folder_is_rebuilt_and_result_is_deterministic(tmp_path, smol
 
 
 def test_folder_with_only_config_json_is_a_clear_error(tmp_path, smollm2_dir):
-    """Issue 19: a target folder holding only config.json used to end in transformers asking to
+    """A target folder holding only config.json used to end in transformers asking to
     install sentencepiece (load_tokenizer) and a bare OSError (load_target). Both now name the
     folder, what is missing and the fix."""
     only_config = tmp_path / "only_config"

@@ -6,14 +6,19 @@ regeneration, the data stage's template and the eval prompts alike."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
 from eagle3lib import data as D
 from eagle3lib import regenerate as R
-from eagle3lib.chat_template import (KIMI_LIKE_TEMPLATE, check_thinking_kwarg, prompt_ids, render_text,
-                                     save_kimi_like_tokenizer, thinking_active)
+from eagle3lib.chat_template import (
+    KIMI_LIKE_TEMPLATE,
+    check_thinking_kwarg,
+    prompt_ids,
+    render_text,
+    save_kimi_like_tokenizer,
+    thinking_active,
+)
 from eagle3lib.layout import RunLayout
 from eagle3lib.params import ParamsError, load_params
 from eagle3lib.target import load_tokenizer
@@ -260,7 +265,8 @@ def test_eval_prompts_follow_data_thinking(kimi_dir, tmp_path, ktok):
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text(json.dumps({"prompt": "What is 2+2?"}) + "\n")
     for thinking, suffix in (("on", "<think>"), ("off", "<think></think>")):
-        P = load_params("params/ci.yaml", {"target": {"path": str(kimi_dir)}, "data": {"thinking": thinking, "regenerate": False},
+        P = load_params("params/ci.yaml", {"target": {"path": str(kimi_dir)},
+                                           "data": {"thinking": thinking, "regenerate": False},
                                            "eval": {"prompts_path": str(prompts_file)}})
         [prompt], skipped = eval_prompts(P, tmp_path, ktok)
         messages = [{"role": "user", "content": "What is 2+2?"}]

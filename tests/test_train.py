@@ -115,7 +115,8 @@ def run_script(params_path: Path, extra: str = "", nproc: int = 1, check=True) -
         "train(P, P.run_dir(), progress=False, callback=callback)\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # several processes: the same torchrun command the notebook launches
-    cmd = [sys.executable, str(script)] if nproc == 1 else torchrun_command(params_path, None, nproc) + ["--no-progress"]
+    cmd = [sys.executable, str(script)] if nproc == 1 else \
+        torchrun_command(params_path, None, nproc) + ["--no-progress"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     if check and res.returncode != 0:
         raise AssertionError(f"{cmd} failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}")
@@ -157,7 +158,8 @@ class ListCache:
 
     def __init__(self, lengths: list):
         g = torch.Generator().manual_seed(5)
-        self.items = [{"input_ids": torch.randint(100, (n,), generator=g), "loss_mask": torch.ones(n, dtype=torch.uint8),
+        self.items = [{"input_ids": torch.randint(100, (n,), generator=g),
+                       "loss_mask": torch.ones(n, dtype=torch.uint8),
                        "aux": torch.randn(n, 3, 4, generator=g), "final": torch.randn(n, 4, generator=g)}
                       for n in lengths]
 
@@ -344,6 +346,7 @@ def test_init_from_target_layer_reproduces_that_target_layer(tiny_target_dir):
     pre-norm output equals the target's hidden state after layer L (rope, GQA, norms, residuals
     all as in the target)."""
     from transformers import AutoModelForCausalLM
+
     from eagle3lib.model import Eagle3Drafter
     target = AutoModelForCausalLM.from_pretrained(str(tiny_target_dir), dtype=torch.float32).eval()
     hf = json.loads((Path(tiny_target_dir) / "config.json").read_text())
@@ -456,6 +459,11 @@ def test_two_process_training_matches_single_process_with_the_same_global_batch(
     assert h1[-1]["loss"] != h1[0]["loss"]
     s2 = json.loads((load_params(dual).run_dir() / "train" / "summary.json").read_text())
     assert s2["world_size"] == 2
+    # the headless route (torchrun -m eagle3lib.train) leaves what the notebook route leaves
+    section = json.loads((load_params(dual).run_dir() / "metrics.json").read_text())["train"]
+    assert section["steps"] == 4 and section["world_size"] == 2 and section["stopped_by"] == s2["stopped_by"]
+    assert section["final_loss"] == round(h2[-1]["loss"], 4)
+    assert "| train | training steps | 4 |" in (load_params(dual).run_dir() / "index.md").read_text()
 
 
 HELDOUT_WORKER = """
@@ -509,7 +517,8 @@ def test_design_choices_are_wired_and_the_time_budget_stops_cleanly(tmp_path, sh
     from eagle3lib.vocab import load_vocab
     choices = {"norm_before_residual": False, "norm_before_fc": True, "fc_input_scaling": False,
                "next_step_hidden": "post_norm",
-               "init_lm_head": True, "freeze_lm_head": True, "loss_average": "all", "label_positions": "all", "optimizer": "muon",
+               "init_lm_head": True, "freeze_lm_head": True, "loss_average": "all", "label_positions": "all",
+               "optimizer": "muon",
                "feature_noise": 0.3,
                "decay": 0.5, "max_steps": 50, "time_budget_minutes": 1e-4, "resume": False}
     path = make_run(tmp_path, sharp_target_dir, choices)
@@ -535,6 +544,7 @@ def _record(step, loss, step_loss, grad_norm, lr=1e-3):
 
 def test_divergence_guard_criteria_need_consecutive_steps():
     import math
+
     from eagle3lib.params import TrainParams
     from eagle3lib.train import DivergenceGuard
     t = TrainParams(diverge_steps=3)
@@ -618,7 +628,7 @@ def test_resume_is_refused_on_another_hidden_state_cache(tmp_path, sharp_target_
 
 
 def test_the_trainer_refuses_a_corrupt_or_stale_cache(tmp_path, sharp_target_dir):
-    """Issue 19 item 3: flipped bytes inside a shard, and a cache extracted for other data params
+    """Flipped bytes inside a shard, and a cache extracted for other data params
     (num_train changed, resume off), both trained on silently before (planted fault: train.setup
     opening HiddenCache instead of check_cache makes both cases train and return)."""
     path = make_run(tmp_path, sharp_target_dir, {"max_steps": 2, "resume": False})

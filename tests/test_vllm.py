@@ -13,8 +13,8 @@ import time
 
 import pytest
 import torch
-
 from drafter_fit import fit_drafter, greedy_sequences
+
 from eagle3lib.decode import Eagle3Proposer, merge_stats, speculative_generate
 from eagle3lib.export import LAYOUTS, export_layout, export_vllm, load_export
 from eagle3lib.target import load_target, load_target_tensors, load_tokenizer

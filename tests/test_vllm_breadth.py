@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3lib.domains import domain_prompts
-from eagle3lib.evaluate import render_prompt
+from eagle3lib.domains import domain_prompts, render_prompt
 from eagle3lib.target import load_tokenizer
 from eagle3lib.vllm_bench import mode, run_vllm
 

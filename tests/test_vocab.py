@@ -2,9 +2,17 @@
 import pytest
 import torch
 
-from eagle3lib.vocab import (build_draft_vocab, count_assistant_tokens, coverage, coverage_curve,
-                             draft_to_target_ids, load_vocab, ranked_token_ids, save_vocab,
-                             shrink_draft_vocab)
+from eagle3lib.vocab import (
+    build_draft_vocab,
+    count_assistant_tokens,
+    coverage,
+    coverage_curve,
+    draft_to_target_ids,
+    load_vocab,
+    ranked_token_ids,
+    save_vocab,
+    shrink_draft_vocab,
+)
 
 
 def check_consistent(d2t, t2d, draft_size, vocab_size):
