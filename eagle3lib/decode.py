@@ -83,6 +83,19 @@ class DecodeStats:
         """vLLM's mean acceptance length: 1 + accepted draft tokens / drafting rounds."""
         return 1.0 + self.num_accepted / self.num_drafts if self.num_drafts else 1.0
 
+    def token_marks(self) -> list:
+        """How each new token was produced, in output order: j >= 0 an accepted draft token at draft
+        position j (0 = the first draft of its round), -1 the target's own token (the prefill's
+        first token, each round's correction or bonus token). A round cut at EOS or at the token
+        budget emits fewer tokens than it accepted: its marks stop there."""
+        marks = [-1] if self.num_new_tokens else []
+        for r in self.rounds:
+            drafted = min(r.accepted, r.emitted)
+            marks += list(range(drafted)) + [-1] * (r.emitted - drafted)
+        if not self.rounds:                     # plain decoding: every token is the target's
+            marks = [-1] * self.num_new_tokens
+        return marks
+
     def accepted_per_position(self) -> list:
         """accepted_per_position()[i] = rounds whose draft i+1 was accepted (vLLM's per_pos)."""
         return [sum(1 for r in self.rounds if r.accepted > i) for i in range(self.k)]

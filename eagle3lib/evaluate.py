@@ -227,7 +227,8 @@ def _row(method: str, k: int, prompt: dict, stats: DecodeStats, out: list, plain
             "target_forwards": s["target_forwards"],
             "num_drafts": s["num_drafts"], "num_draft_tokens": s["num_draft_tokens"],
             "num_accepted": s["num_accepted"], "accepted_per_position": stats.accepted_per_position(),
-            "draft_s": s["draft_s"], "verify_s": s["verify_s"], "lossless": out == plain_out}
+            "draft_s": s["draft_s"], "verify_s": s["verify_s"], "lossless": out == plain_out,
+            "token_marks": stats.token_marks()}
 
 
 def _pool(group) -> dict:

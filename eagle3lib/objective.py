@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -292,6 +293,18 @@ def ttt_loss(states: list, lm_head: nn.Module, d2t: torch.Tensor, batch: dict, d
     if flags:
         return total, torch.stack(stats), correct_flags
     return total, torch.stack(stats)
+
+
+def unigram_share(cache, n: int) -> tuple[float, int]:
+    """(share of the most frequent answer token, positions) over the first n sequences of `cache`
+    from position 2 on (what step 0 scores): the accuracy of always proposing that one token. 04
+    checks that the drafter beats it (a drafter that learned nothing usable does not)."""
+    counts = Counter()
+    for i in range(min(n, len(cache))):
+        item = cache.get(i)
+        counts.update(item["input_ids"][2:][item["loss_mask"][2:].bool()].tolist())
+    total = sum(counts.values())
+    return (max(counts.values()) / total if total else 0.0), total
 
 
 def acceptance_estimate(acc: list) -> float:

@@ -194,6 +194,10 @@ class TrainParams:
     attention: str = "auto"
     activation_checkpointing: bool = False
     tracking: str = "none"               # none | tensorboard | wandb (offline); tracking.py
+    # 04's sanity check against always proposing the most frequent answer token: on the held-out
+    # positions (heldout) or, for a random-weight miniature whose answers follow no pattern across
+    # prompts, on the training answers with the last step's training accuracy (train).
+    unigram_check: str = "heldout"
     distributed: str = "none"            # none | ddp | fsdp
     nproc: int = 1
     # How long a torchrun rank waits in a collective (a barrier, a reduction) for the others before
@@ -361,6 +365,7 @@ CHOICES = {
     "train.label_positions": {"assistant", "all"},
     "train.loss": {"kl", "lk", "lk_hybrid"},                                  # objective.LOSS_CHOICES
     "train.tracking": {"none", "tensorboard", "wandb"},
+    "train.unigram_check": {"heldout", "train"},
     "train.distributed": {"none", "ddp", "fsdp"},
     "train.verify_cache": {"full", "sampled", "sizes"},                       # cache.VERIFY_MODES
     "train.attention": {"auto", "manual", "merge", "mask", "chunked", "flex"},   # model.ATTENTION_CHOICES

@@ -103,7 +103,9 @@ def load_run(run_dir) -> dict:
     metrics = read_metrics(L.metrics)
     params = yaml.safe_load(L.params.read_text()) if L.params.is_file() else {}
     history = read_json(L.history) if L.history.is_file() else []
-    return {"name": L.root.name, "metrics": metrics, "params": params or {}, "history": history}
+    return {"name": L.root.name, "metrics": metrics, "params": params or {}, "history": history,
+            "tensorboard": L.tensorboard.is_dir(),
+            "explorer": (L.eval_work("explorer") / "explorer.html").is_file()}
 
 
 def headline_rows(metrics: dict) -> list:
@@ -187,6 +189,12 @@ def index_markdown(run: dict) -> str:
         if stage in OPTIONAL_NOTEBOOKS and stage not in times:       # a study this run did not run
             continue
         lines.append(f"| {stage} | [{stem}]({stem}.html) ([ipynb]({stem}.ipynb)) | {fmt(times.get(stage))} |")
+    if run.get("explorer"):
+        lines += ["", "Where the drafter fails, token by token: "
+                  "[the acceptance explorer](eval/explorer/explorer.html)."]
+    if run.get("tensorboard"):
+        lines += ["", "Training curves, live during a run: `tensorboard --logdir train/tensorboard` in this "
+                  "folder ([event files](train/tensorboard/))."]
     for section in ("ngram", "eval", "scaling"):
         if m.get(section, {}).get("verdict"):
             lines += ["", f"## Verdict ({section})", "", "```", m[section]["verdict"], "```"]

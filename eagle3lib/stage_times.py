@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,16 +37,34 @@ OPTIONAL_STAGES = ("scaling",)
 RECORDED_STAGE_TIMES = "bench/recorded_stage_times.json"
 HOST_KINDS = ("native_bf16", "avx2")
 # Fixed costs no record separates out (assumed unless stated):
-KERNEL_START_S = 15.0            # assumed: a notebook kernel where no recorded 00_research time says otherwise
+KERNEL_START_S = 15.0            # assumed: a notebook kernel on a GPU box
+# measured: a notebook's start on the CPU (kernel, papermill, the library import): 00's wall time
+# 11 s less its cells' 8.2 s (ci, 2026-12-05, native-bf16 CPU; the records' kernel_s is 00's whole
+# wall time, cells included, so it is not used for this)
+CPU_NOTEBOOK_START_S = 3.0
 CPU_ENGINE_START_S = 45.0        # measured: one vLLM CPU engine at the default batch budget (bench/extract.py, 42.9 s)
-# assumed: an eval engine at 512 batched tokens (NOTES: its warm-up fell from 29 s to 2 s) plus loading
-CPU_EVAL_ENGINE_START_S = 10.0
-CPU_TARGET_LOAD_S = 5.0          # assumed: transformers loads a small target (SmolLM2-class) on the CPU
-CPU_REGEN_HF_TOKENS_PER_S = 200.0  # assumed: batched HF generate of a SmolLM2-class target
+# measured: an eval engine at 512 batched tokens, SmolLM2-135M: load_s 24.3-26.2 s over 6 engines
+# (ci, 2026-12-05, native-bf16 CPU, outputs/ci/eval/*/result.json)
+CPU_EVAL_ENGINE_START_S = 25.0
+# measured: the eval's vLLM child before its first engine (python, the vllm import, the spec): the
+# vLLM cells of 01 / 05 less their engines and decoding, 26 s / 35 s (same ci run)
+CPU_VLLM_CHILD_START_S = 30.0
+# measured: 00's capacity plans (this run, local, b300 with its memory model): 5.6 s (same ci run)
+RESEARCH_PLANS_S = 5.6
+# measured (ci, 2026-12-05): 03's fidelity cell, a SmolLM2-135M load + 4 forwards, 1.4 s; 02's cell,
+# 12.9 s for 660 tokens regenerated in HF batches
+CPU_TARGET_LOAD_S = 1.5
+CPU_REGEN_HF_TOKENS_PER_S = 60.0
 # measured: 02 took 25 s for 3,036 chats with every answer already regenerated (NOTES.md, 2026-12-03)
 DATA_PREP_S_PER_CHAT = 25.0 / 3036
-TRAIN_SETUP_S = 15.0             # assumed: torch import, cache and vocab load, drafter and target head build
-TORCHRUN_START_S = 20.0          # assumed: torchrun and one process group per extra rank
+TRAIN_SETUP_S = 15.0             # assumed on GPUs: torch import, cache and vocab load, drafter and target head build
+CPU_TRAIN_SETUP_S = 3.0          # measured: 04's wall 13 s less kernel and 12 steps (ci, 2026-12-05)
+# measured: torchrun and its gloo group on the CPU, the residual of mini-kimi's 04 (35 s wall less
+# kernel, setup and 48 steps at the run's 1,739 tok/s; 2026-12-05, native-bf16 CPU); assumed on GPUs
+TORCHRUN_START_S = 5.0
+# measured: a tiny drafter trains 2.8x the recorded rate, not its FLOP ratio (mini-kimi, same run:
+# 1,739 tok/s on 2 processes against local's 625), so the FLOP scaling is capped there
+CPU_TINY_DRAFTER_CAP = 2.8
 CPU_SPEC_SPEEDUP = 1.4           # measured: vLLM CPU n-gram / EAGLE-3 1.38-1.58x plain (NOTES.md)
 CPU_BF16_TRAIN_SPEEDUP = 3.0     # measured: bf16 autocast 2.5-4x fp32 on a native-bf16 CPU (bench/train.py, NOTES)
 
@@ -134,6 +153,9 @@ class Host:
     gpu_basis: str = ""
     rates: dict = field(default_factory=dict)    # CPU: name -> (value, basis), from the records
     train_basis: dict = field(default_factory=dict)
+    # CPU: every recorded training rate of this kind, [(tokens/s, basis text, train_basis)]; the
+    # plan scales the one whose drafter is nearest in FLOPs per token (train_rate)
+    train_points: list = field(default_factory=list)
 
 
 # ---- hosts -------------------------------------------------------------------------------------
@@ -156,12 +178,15 @@ def cpu_host(kind: Optional[str] = None, runs: Optional[list] = None) -> Host:
     if not mine:
         raise ValueError(f"no recorded run on a {kind} host in {RECORDED_STAGE_TIMES}: record one "
                          "(`eagle3 run --params params/local.yaml` prints each stage's seconds)")
-    rates, basis = {}, {}
+    rates, basis, points = {}, {}, []
     for r in mine:
         where = f"{r['profile']}, {r['date']}"
         rates.update({k: (v, f"measured ({where}: {why})") for k, (v, why) in r.get("rates", {}).items()})
         basis = r.get("train_basis", basis)
-    return Host(kind, rates=rates, train_basis=basis)
+        if "train_tokens_per_s" in r.get("rates", {}) and "train_basis" in r:
+            value, why = r["rates"]["train_tokens_per_s"]
+            points.append((value, f"measured ({where}: {why})", r["train_basis"]))
+    return Host(kind, rates=rates, train_basis=basis, train_points=points)
 
 
 def gpu_kind(p: Params) -> tuple[str, str]:
@@ -206,7 +231,7 @@ def engine_start(host: Host, work: Workload, eval_engine: bool = False) -> tuple
                 f"assumed ({ENGINE_FIXED_S:.0f} s + {ENGINE_LOAD_S_PER_GB} s/GB x {gb:,.0f} GB checkpoint, "
                 f"{work.checkpoint_basis})")
     if eval_engine:
-        return CPU_EVAL_ENGINE_START_S, "assumed (a CPU eval engine at 512 batched tokens)"
+        return CPU_EVAL_ENGINE_START_S, f"measured ({CPU_EVAL_ENGINE_START_S:.0f} s: a CPU eval engine, ci 2026-12-05)"
     return CPU_ENGINE_START_S, "measured (bench/extract.py: one CPU engine, NOTES.md)"
 
 
@@ -218,10 +243,10 @@ def add_engines(stage: Stage, n: int, host: Host, work: Workload, what: str, eva
 
 # ---- rates -------------------------------------------------------------------------------------
 def kernel_start(host: Host) -> tuple[float, str]:
-    """A notebook kernel with the library imported (00_research's wall time on a recorded CPU)."""
+    """A notebook's start: kernel, papermill, the library imported."""
     if host.gpus:
         return KERNEL_START_S, f"assumed ({KERNEL_START_S:.0f} s)"
-    return cpu_rate(host, "kernel_s", (KERNEL_START_S, f"assumed ({KERNEL_START_S:.0f} s)"))
+    return CPU_NOTEBOOK_START_S, f"measured ({CPU_NOTEBOOK_START_S:.0f} s, ci 2026-12-05)"
 
 
 def cpu_rate(host: Host, name: str, default: Optional[tuple] = None) -> tuple[float, str]:
@@ -269,8 +294,11 @@ def train_rate(p: Params, host: Host, work: Workload) -> tuple[float, str]:
                       f"FLOPs per token, and x {ranks} ranks x {FSDP_SCALING if ranks > 1 else 1.0} (FSDP)")
     value, basis = cpu_rate(host, "train_tokens_per_s")
     b = host.train_basis
+    if host.train_points:                # the record whose drafter is nearest in FLOPs per token
+        value, basis, b = min(host.train_points, key=lambda q: abs(math.log(
+            drafter_flops_per_token(q[2]) / work.drafter_flops_per_token)))
     rate = value * drafter_flops_per_token(b) / work.drafter_flops_per_token if b else value
-    rate = min(rate, 2 * value)      # tiny drafters are overhead-bound (assumed)
+    rate = min(rate, CPU_TINY_DRAFTER_CAP * value)      # tiny drafters are overhead-bound
     native = host.kind == "native_bf16"
     if native and b.get("dtype") == "bfloat16" and t.dtype != "bfloat16":
         rate /= CPU_BF16_TRAIN_SPEEDUP
@@ -297,6 +325,8 @@ def stage_seconds(p: Params, work: Workload, host: Host, measured: Optional[dict
     stages = {name: Stage() for name in STAGES}
     for name in STAGES:
         stages[name].add("notebook kernel start", kernel[0], kernel[1])
+    stages["research"].add("capacity plans (this run, local, b300 with its memory model)", RESEARCH_PLANS_S,
+                           f"measured ({RESEARCH_PLANS_S} s, ci 2026-12-05)")
     decode_stage(p, work, host, stages["ngram"], "ngram")
     data_stage(p, work, host, stages["data"], measured)
     extract_stage(p, work, host, stages["extract"], measured)
@@ -317,7 +347,8 @@ def data_stage(p: Params, work: Workload, host: Host, stage: Stage, measured: di
     rate, basis = regen_rate(p, work, host, backend, measured)
     add_engines(stage, 1 if backend == "vllm" else 0, host, work, "regeneration")
     if backend == "hf":
-        stage.add("load the target in transformers", CPU_TARGET_LOAD_S, f"assumed ({CPU_TARGET_LOAD_S:.0f} s)")
+        stage.add("load the target in transformers", CPU_TARGET_LOAD_S,
+                  f"measured ({CPU_TARGET_LOAD_S} s, ci 2026-12-05)")
     stage.add(f"regenerate {tokens:,.0f} tokens at {rate:,.0f} tok/s", tokens / rate, basis)
     stage.rate = ("regen", rate, basis, tokens / rate)
 
@@ -337,7 +368,7 @@ def regen_rate(p: Params, work: Workload, host: Host, backend: str, measured: di
     if backend == "vllm":
         value, basis = cpu_rate(host, "regen_vllm_tokens_per_s")
     else:
-        value, basis = CPU_REGEN_HF_TOKENS_PER_S, "assumed (batched HF generate on the CPU)"
+        value, basis = CPU_REGEN_HF_TOKENS_PER_S, "measured (batched HF generate on the CPU, ci 2026-12-05)"
     return value * ratio, basis + ("" if ratio == 1 else f"; x {ratio:.3f} for the target's size")
 
 
@@ -367,7 +398,7 @@ def extract_compute(p: Params, work: Workload, host: Host, stage: Stage, measure
             seconds, basis = (work.checkpoint_bytes / 1e9 * ENGINE_LOAD_S_PER_GB,
                               f"assumed ({ENGINE_LOAD_S_PER_GB} s/GB)")
         else:
-            seconds, basis = CPU_TARGET_LOAD_S, f"assumed ({CPU_TARGET_LOAD_S:.0f} s)"
+            seconds, basis = CPU_TARGET_LOAD_S, f"measured ({CPU_TARGET_LOAD_S} s, ci 2026-12-05)"
         stage.add(f"{loads} transformers load{'s' if loads > 1 else ''} of the target (extraction, fidelity check)",
                   loads * seconds, basis)
     if "extract" in measured:
@@ -424,9 +455,12 @@ def verify_share(p: Params) -> tuple[float, str]:
 def train_stage(p: Params, work: Workload, host: Host, stage: Stage, measured: dict) -> None:
     t = p.train
     ranks = t.nproc if t.distributed != "none" else 1
-    stage.add("setup (imports, cache, drafter, target head)", TRAIN_SETUP_S, f"assumed ({TRAIN_SETUP_S:.0f} s)")
+    setup = (TRAIN_SETUP_S, f"assumed ({TRAIN_SETUP_S:.0f} s)") if host.gpus else \
+        (CPU_TRAIN_SETUP_S, f"measured ({CPU_TRAIN_SETUP_S:.0f} s, ci 2026-12-05)")
+    stage.add("setup (imports, cache, drafter, target head)", *setup)
     if ranks > 1 and not host.gpus:
-        stage.add(f"torchrun start ({ranks} ranks)", TORCHRUN_START_S, f"assumed ({TORCHRUN_START_S:.0f} s)")
+        stage.add(f"torchrun start ({ranks} ranks)", TORCHRUN_START_S,
+                  f"measured ({TORCHRUN_START_S:.0f} s, mini-kimi 2026-12-05)")
     if "train" in measured:
         rate, basis = measured["train"][0], f"measured ({measured['train'][1]})"
     else:
@@ -455,7 +489,7 @@ def decode_stage(p: Params, work: Workload, host: Host, stage: Stage, which: str
         rate, basis = cpu_rate(host, "decoder_tokens_per_s", (17.4, "assumed")) if not host.gpus else \
             (1 / DECODE_STEP_FLOOR_S, "assumed (batch-1 decode-step floor)")
         rate *= target_speed_ratio(host, work) if not host.gpus else 1.0
-        load = (CPU_TARGET_LOAD_S, f"assumed ({CPU_TARGET_LOAD_S:.0f} s)") if not host.gpus else \
+        load = (CPU_TARGET_LOAD_S, f"measured ({CPU_TARGET_LOAD_S} s, ci 2026-12-05)") if not host.gpus else \
             (work.checkpoint_bytes / 1e9 * ENGINE_LOAD_S_PER_GB, f"assumed ({ENGINE_LOAD_S_PER_GB} s/GB)")
         stage.add("load the target for eagle3lib's decoder", *load)
         stage.add(f"eagle3lib decoder: {methods} methods x {prompts} prompts x {new} tokens at {rate:,.1f} tok/s",
@@ -463,6 +497,9 @@ def decode_stage(p: Params, work: Workload, host: Host, stage: Stage, which: str
     modes = eval_modes(p, which)
     if not modes:
         return
+    if not host.gpus:
+        stage.add("the vLLM child process (python, vllm import)", CPU_VLLM_CHILD_START_S,
+                  f"measured ({CPU_VLLM_CHILD_START_S:.0f} s, ci 2026-12-05)")
     add_engines(stage, len(modes), host, work, ", ".join(modes), eval_engine=True)
     prompts = min(e.vllm_prompts or n_prompts, n_prompts)
     if which == "eval":
@@ -492,7 +529,7 @@ def scaling_stage(p: Params, work: Workload, host: Host) -> Stage:
     rate, basis = train_rate(p, host, work)
     tokens = sum(p.scaling.sizes) * work.tokens_per_chat * p.scaling.epochs
     stage.add(f"train {len(p.scaling.sizes)} points ({sum(p.scaling.sizes):,} chats x {p.scaling.epochs:g} epochs)",
-              tokens / rate + TRAIN_SETUP_S * len(p.scaling.sizes), basis)
+              tokens / rate + (TRAIN_SETUP_S if host.gpus else CPU_TRAIN_SETUP_S) * len(p.scaling.sizes), basis)
     if p.scaling.vllm and p.eval.use_vllm:
         add_engines(stage, 1 + len(p.scaling.sizes), host, work, "plain and each point", eval_engine=True)
     return stage

@@ -118,7 +118,7 @@ def muon_optimizer(params: list, t) -> torch.optim.Optimizer:
 # ==== what a resumption must match ==============================================================
 # Train fields that may change between a run and its resumption (they do not change the math).
 RESUMABLE_CHANGES = {"resume", "time_budget_minutes", "checkpoint_every", "checkpoint_fraction",
-                     "checkpoint_minutes", "eval_sequences", "tracking",
+                     "checkpoint_minutes", "eval_sequences", "tracking", "unigram_check",
                      "compile", "max_steps", "epochs", "nproc", "distributed", "num_workers",
                      "diverge_steps", "diverge_uniform_rtol", "diverge_loss_rise", "diverge_grad_norm",
                      "attention", "activation_checkpointing",     # same function, other cost

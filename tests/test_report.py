@@ -53,6 +53,15 @@ def test_index_page_shows_params_stage_times_headlines_plots_and_links(tmp_path)
     md = (partial / "index.md").read_text()
     assert "| eval | EAGLE-3 acceptance length (vLLM) | - |" in md              # not run yet: "-"
     assert "06_scaling" not in md                                              # the optional study: not run
+    assert "tensorboard" not in md                                             # no event files: no link
+    (partial / "train" / "tensorboard").mkdir(parents=True)
+    write_index(partial)
+    assert "[event files](train/tensorboard/)" in (partial / "index.md").read_text()
+    assert "acceptance explorer" not in (partial / "index.md").read_text()
+    (partial / "eval" / "explorer").mkdir(parents=True)
+    (partial / "eval" / "explorer" / "explorer.html").write_text("<html></html>")
+    write_index(partial)
+    assert "(eval/explorer/explorer.html)" in (partial / "index.md").read_text()
 
 
 def test_the_index_lists_the_scaling_study_and_its_verdict_once_it_ran(tmp_path):
