@@ -42,7 +42,7 @@ from .data import load_eval_prompts
 from .decode import DecodeStats, Eagle3Proposer, NgramProposer, NoProposer, greedy_generate, speculative_generate
 from .domains import domain_prompts, render_capped  # render_prompt: the chat template -> token ids
 from .engine import engine_kwargs
-from .files import check_run_links
+from .files import check_run_links, update_metrics
 from .layout import RunLayout
 from .params import host_memory_bytes
 from .progress import tqdm
@@ -571,8 +571,8 @@ def _check_counts(method: str, prompt_id, ours: tuple, theirs: tuple) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def ngram_metrics(summary, vllm_summary, setup: "EvalSetup", max_new_tokens: int) -> dict:
-    """The 01_ngram_baseline section of metrics.json."""
+def ngram_metrics(summary, vllm_summary, setup: "EvalSetup", max_new_tokens: int, run_dir=None) -> dict:
+    """The 01_ngram_baseline section of metrics.json (written there when run_dir is given)."""
     out = {"prompts": len(setup.prompts), "decoder_prompts": len(setup.decoder_prompts),
            "skipped_long_prompts": setup.skipped_prompts,
            "max_new_tokens": max_new_tokens, "eagle3lib": table_metrics(summary),
@@ -591,13 +591,15 @@ def ngram_metrics(summary, vllm_summary, setup: "EvalSetup", max_new_tokens: int
         if suffix is not None:
             out.update(speedup_vllm_suffix=float(suffix["speedup"]),
                        acceptance_length_vllm_suffix=float(suffix["acceptance_length"]))
+    if run_dir is not None:
+        update_metrics(run_dir, "ngram", out)
     return out
 
 
 def eval_metrics(summary, vllm_summary, setup: "EvalSetup", export_dir, eagle3: str, ngram: str,
-                 max_new_tokens: int, breadth: Optional[dict] = None) -> dict:
-    """The 05_eval section of metrics.json; `breadth` (breadth_metrics) is stored under "breadth"
-    when the breadth groups ran."""
+                 max_new_tokens: int, breadth: Optional[dict] = None, run_dir=None) -> dict:
+    """The 05_eval section of metrics.json (written there when run_dir is given); `breadth`
+    (breadth_metrics) is stored under "breadth" when the breadth groups ran."""
     def pick(table, method, key):
         r = row_of(table, method)
         return None if r is None else (float(r[key]) if not isinstance(r[key], list) else [float(x) for x in r[key]])
@@ -626,6 +628,8 @@ def eval_metrics(summary, vllm_summary, setup: "EvalSetup", export_dir, eagle3: 
         out.update(acceptance_length_vllm=None, speedup_vllm_eagle3=None, speedup_vllm_ngram=None)
     if breadth is not None:
         out["breadth"] = breadth
+    if run_dir is not None:
+        update_metrics(run_dir, "eval", out)
     return out
 
 

@@ -29,7 +29,7 @@ from typing import Optional
 import yaml
 
 from .chats import MalformedRecord, chat_hash, iter_raw_records, normalize_chat, path_sha256, source_problem, sources_of
-from .files import atomic_write_json, read_json, read_metrics
+from .files import atomic_write_json, read_json, read_metrics, update_metrics
 from .layout import RunLayout
 from .params import (
     Params,
@@ -593,3 +593,15 @@ def refuse_full_run(p: Params, layout: Optional[RunLayout] = None, log=print) ->
     for w in warnings:
         log(f"[eagle3] warning: {w}")
     return warnings
+
+
+def record_research(run_dir, plans: dict, versions: dict) -> dict:
+    """metrics.json's "research" section from 00's plans {"this run", "local", "b300": capacity_plan}
+    and the package versions it found; returns the section."""
+    mine, big = plans["this run"], plans["b300"]
+    section = {"tokens_to_extract_planned": mine["tokens_to_extract"], "cache_bytes_planned": mine["cache_bytes"],
+               "cache_bytes_per_token": mine["cache_bytes_per_token"], "b300_cache_bytes": big["cache_bytes"],
+               "b300_chats": {r["source"]: {"chats": r["chats"], "basis": r["basis"]} for r in big["sources"]},
+               "b300_extract_hours": round(big["extract_hours"], 3), "b300_train_hours": round(big["train_hours"], 3),
+               "torch": versions.get("torch"), "transformers": versions.get("transformers")}
+    return update_metrics(run_dir, "research", section)["research"]

@@ -108,6 +108,23 @@ def load_run(run_dir) -> dict:
             "explorer": (L.eval_work("explorer") / "explorer.html").is_file()}
 
 
+def headline(run: dict) -> str:
+    """The page's first line: the drafter in vLLM at the profile's k (acceptance length, speedup over
+    plain and over n-gram in the same engines' run), the run's wall time, the verdict's first line."""
+    m, k = run["metrics"], (run["params"].get("eval") or {}).get("k", "?")
+    ev, wall = m.get("eval", {}), sum((m.get("runner", {}).get("stage_seconds") or {}).values())
+    time = f" Stages' wall time so far: {wall / 60:.1f} min." if wall else ""
+    eagle3, ngram = ev.get("speedup_vllm_eagle3"), ev.get("speedup_vllm_ngram")
+    if eagle3 is None:
+        return f"**EAGLE-3 not measured in vLLM yet** (05_eval has not run, or without vLLM).{time}"
+    versus = f", {eagle3 / ngram:.2f}x n-gram's ({ngram:.2f}x plain)" if ngram else ""
+    lines = (ev.get("verdict") or "").splitlines()
+    verdict = next((v for v in lines if v.startswith("vLLM: EAGLE-3")), None) or \
+        next((v for v in lines if v.startswith("vLLM:")), None) or (lines[0] if lines else "")
+    return (f"**EAGLE-3 in vLLM at k = {k}: acceptance length {fmt(ev.get('acceptance_length_vllm'))}, "
+            f"{eagle3:.2f}x plain decoding{versus}.**{time}" + (f" Verdict: {verdict}" if verdict else ""))
+
+
 def headline_rows(metrics: dict) -> list:
     """[(stage, label, value)] for the HEADLINES that a run has (value None when missing)."""
     return [(section, label, metrics.get(section, {}).get(key)) for section, key, label in HEADLINES]
@@ -174,7 +191,7 @@ def index_markdown(run: dict) -> str:
     """The page's text part (also written as index.md): headline table, stage times, verdicts."""
     m = run["metrics"]
     runner = m.get("runner", {})
-    lines = [f"# Run `{run['name']}`", ""]
+    lines = [f"# Run `{run['name']}`", "", headline(run), ""]
     if runner:
         mach = runner.get("machine", {})
         lines += [f"- commit: `{runner.get('git_commit') or 'unknown'}`",
@@ -240,12 +257,15 @@ def _markdown_to_html(md: str) -> str:
 def _inline(text: str) -> str:
     text = html.escape(text)
     text = re.sub(r"`([^`]*)`", r"<code>\1</code>", text)
+    text = re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", text)
     return re.sub(r"\[([^\]]*)\]\(([^)]*)\)", r'<a href="\2">\1</a>', text)
 
 
-STYLE = ("body{font-family:sans-serif;max-width:1000px;margin:2em auto}table{border-collapse:collapse}"
-         "td,th{border:1px solid #ccc;padding:2px 8px;text-align:left}pre{background:#f6f6f6;padding:8px;"
-         "white-space:pre-wrap}img{margin:8px}")
+STYLE = ("body{font-family:system-ui,sans-serif;max-width:1000px;margin:2em auto;color:#222;line-height:1.45}"
+         "h1{border-bottom:2px solid #2e7d32}table{border-collapse:collapse;margin:.5em 0}"
+         "td,th{border:1px solid #ccc;padding:2px 8px;text-align:left}th{background:#f0f4f0}"
+         "pre{background:#f6f6f6;padding:8px;white-space:pre-wrap}img{margin:8px;max-width:100%}"
+         "summary{cursor:pointer;font-weight:bold}")
 
 
 def write_index(run_dir) -> Path:
@@ -257,7 +277,8 @@ def write_index(run_dir) -> Path:
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>eagle3lab run {html.escape(run['name'])}"
             f"</title><style>{STYLE}</style></head><body>{_markdown_to_html(md)}"
             f"<h2>Plots</h2>{''.join(_plots(run)) or '<p>none yet</p>'}"
-            f"<h2>Params in use</h2><pre>{html.escape(params)}</pre></body></html>\n")
+            f"<details><summary>Params in use</summary><pre>{html.escape(params)}</pre></details>"
+            f"</body></html>\n")
     atomic_write_bytes(L.index_md, md.encode())
     atomic_write_bytes(L.index_html, page.encode())
     return L.index_html

@@ -170,3 +170,11 @@ def test_train_leaves_the_distributed_wrapping_to_parallel():
     for symbol in ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "DistributedDataParallel",
                    "register_fsdp_forward_method"):
         assert symbol not in source, f"train.py names {symbol}; it belongs in parallel.py"
+
+
+def test_committed_notebook_cells_carry_ids():
+    """nbformat 4.5 cells need an id (a missing one warns now and will be an error)."""
+    for path in sorted((PACKAGE.parent / "notebooks").glob("*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        missing = [i for i, c in enumerate(cells) if "id" not in c]
+        assert not missing, f"{path.name}: cells {missing} have no id (nbformat.validator.normalize adds them)"

@@ -4,11 +4,14 @@ agreement) on planted faults, and vllm_bench's per-prompt counters on a fake eng
 exercised in test_vllm.py)."""
 from __future__ import annotations
 
+import json
+
 import pandas as pd
 import pytest
 
 from eagle3lib import evaluate as ev
 from eagle3lib import verdict as V
+from eagle3lib.files import read_metrics
 from eagle3lib.layout import RunLayout
 from eagle3lib.params import load_params
 from eagle3lib.vllm_bench import (
@@ -265,7 +268,8 @@ def test_reference_decoder_skip_from_the_profile(tmp_path, monkeypatch):
 def test_skipped_reference_decoder_is_recorded_instead_of_eagle3lib_rows(tmp_path):
     setup = ev.EvalSetup(tmp_path, None, None, [{"id": "a"}], [], 0, [], reference_skip="too big")
     m = ev.eval_metrics(ev.empty_summary(), None, setup, tmp_path, eagle3="eagle3_k4", ngram="ngram_k4_n1-4",
-                        max_new_tokens=8)
+                        max_new_tokens=8, run_dir=tmp_path)
     assert m["reference_decoder"] == {"ran": False, "skip_reason": "too big"}
+    assert read_metrics(RunLayout(tmp_path).metrics)["eval"] == json.loads(json.dumps(m))     # the library writes it
     assert m["eagle3lib"] == {} and m["acceptance_length_eagle3lib"] is None and m["decoder_prompts"] == 0
     assert isinstance(V.eagle3_verdict(ev.empty_summary(), None, eagle3="eagle3_k4", ngram="ngram_k4_n1-4"), str)

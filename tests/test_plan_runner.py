@@ -254,3 +254,16 @@ def test_cpu_rates_follow_the_host_kind(monkeypatch, tmp_path):
     unlimited = capacity_plan(load_params("params/local.yaml", {"train": {"time_budget_minutes": None}}), None,
                               memory=False, layout=empty)
     assert "stops it" not in format_plan(unlimited)
+
+
+def test_research_section_is_written_by_the_library(tmp_path):
+    from eagle3lib.plan import record_research
+    plans = {"this run": capacity_plan(load_params("params/ci.yaml"), memory=False),
+             "local": capacity_plan(load_params("params/local.yaml"), memory=False),
+             "b300": capacity_plan(load_params("params/b300.yaml"), memory=False)}
+    section = record_research(tmp_path, plans, {"torch": "2.13.0", "transformers": "5.19"})
+    written = json.loads((tmp_path / "metrics.json").read_text())["research"]
+    assert written == json.loads(json.dumps(section))
+    assert written["b300_cache_bytes"] == plans["b300"]["cache_bytes"] > written["cache_bytes_planned"] > 0
+    assert written["torch"] == "2.13.0"
+    assert set(written["b300_chats"]) == {r["source"] for r in plans["b300"]["sources"]}

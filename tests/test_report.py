@@ -47,11 +47,17 @@ def test_index_page_shows_params_stage_times_headlines_plots_and_links(tmp_path)
     assert '<a href="05_eval.html">05_eval</a>' in page
     assert "eagle3_k3 is 2.09x faster" in page                                # the verdict
     assert page.count("<img src=\"data:image/png;base64,") == 3              # curve, per position, speed
-    assert "lr: 0.001" in page                                                # params in use
+    assert "lr: 0.001" in page and "<details><summary>Params in use" in page  # params, collapsed
+    # the headline comes first: the drafter in vLLM at the profile's k, the wall time, the verdict
+    assert md.splitlines()[2] == ("**EAGLE-3 in vLLM at k = 3: acceptance length 1.150, 2.09x plain decoding.** "
+                                  "Stages' wall time so far: 0.7 min. Verdict: vLLM: eagle3_k3 is 2.09x faster "
+                                  "than plain decoding")
+    assert "<p><b>EAGLE-3 in vLLM at k = 3" in page
     partial = fake_run(tmp_path, "b", lr=1e-3, acc=0.2, with_eval=False)
     write_index(partial)
     md = (partial / "index.md").read_text()
     assert "| eval | EAGLE-3 acceptance length (vLLM) | - |" in md              # not run yet: "-"
+    assert "**EAGLE-3 not measured in vLLM yet**" in md
     assert "06_scaling" not in md                                              # the optional study: not run
     assert "tensorboard" not in md                                             # no event files: no link
     (partial / "train" / "tensorboard").mkdir(parents=True)

@@ -3,6 +3,8 @@ speculative config, a clear error when arctic-inference is missing, and the verd
 The run itself (lossless at T=0, asserted by check_vllm_same_output) is 01 under nbval."""
 from __future__ import annotations
 
+import json
+
 import pandas as pd
 import pytest
 
@@ -51,10 +53,12 @@ def test_verdict_compares_suffix_with_the_best_ngram(tps, word):
     assert "best ngram_k4_n1-4" in text                     # suffix is not counted as an n-gram setting
 
 
-def test_metrics_carry_the_suffix_row():
+def test_metrics_carry_the_suffix_row(tmp_path):
     class Setup:
         prompts, decoder_prompts, skipped_prompts = [1, 2], [], 0
-    out = ev.ngram_metrics(summary(18.0).iloc[:1], summary(18.0), Setup(), 16)
+    out = ev.ngram_metrics(summary(18.0).iloc[:1], summary(18.0), Setup(), 16, run_dir=tmp_path)
+    written = json.loads((tmp_path / "metrics.json").read_text())["ngram"]
+    assert written["speedup_vllm_suffix"] == pytest.approx(1.8) and written["verdict"] == out["verdict"]
     assert out["speedup_vllm_suffix"] == pytest.approx(1.8) and out["acceptance_length_vllm_suffix"] == 1.9
     assert out["best_ngram_vllm"] == "ngram_k4_n1-4"
 
