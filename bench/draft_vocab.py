@@ -51,12 +51,12 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 2048], help="cut draft vocabulary sizes")
     ap.add_argument("--prompts", type=int, default=None, help="vLLM prompts (default: eval.vllm_prompts)")
     args = ap.parse_args(argv)
-    P = load_params(args.params)
-    layout = P.layout(args.run)
+    params = load_params(args.params)
+    layout = params.layout(args.run)
     export_dir = Path(args.export).resolve() if args.export else layout.export
     if not (export_dir / "config.json").is_file():
         raise SystemExit(f"{export_dir}: no export; run 05_eval first (eagle3 run --params {args.params} --only eval)")
-    tdir = target_path(P)
+    tdir = target_path(params)
     drafter = load_export(export_dir, tdir)
     Dv, V = drafter.config.draft_vocab_size, drafter.config.vocab_size
     bad = [n for n in args.sizes if not 1 <= n < Dv]
@@ -71,20 +71,21 @@ def main(argv=None) -> int:
         rows, d2t, t2d = shrink_draft_vocab(drafter.d2t, train_counts, n)
         small = drafter.with_draft_rows(rows, d2t, t2d)
         name = f"eagle3_dv{n}"
-        exports[name] = export_vllm(small, workdir / name, tdir, layout=export_layout(export_dir), k=P.eval.k)
+        exports[name] = export_vllm(small, workdir / name, tdir, layout=export_layout(export_dir), k=params.eval.k)
         held_out[name] = coverage(eval_counts, t2d)
 
     t0 = time.time()
-    summary, raw, _ = sc.vllm_compare(P, layout, exports, workdir / "vllm", limit=args.prompts)
+    summary, raw, _ = sc.vllm_compare(params, layout, exports, workdir / "vllm", limit=args.prompts)
     summary["held_out_coverage"] = summary["method"].map(held_out)
     columns = ["method", "k", "prompts", "new_tokens", "tokens_per_s", "speedup", "acceptance_length",
                "held_out_coverage", "same_output_as_plain"]
     print(f"{layout.root.name}: {export_dir} (draft vocabulary {Dv}) cut to {sorted(args.sizes, reverse=True)}; "
-          f"T={P.eval.temperature}, {P.eval.vllm_dtype}, vLLM {raw['vllm_version']}, {time.time() - t0:.0f} s")
+          f"T={params.eval.temperature}, {params.eval.vllm_dtype}, vLLM {raw['vllm_version']}, "
+          f"{time.time() - t0:.0f} s")
     print(summary[columns].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     stamp = {"date": time.strftime("%Y-%m-%d %H:%M"), "params": args.params, "run": layout.root.name,
              "export": str(export_dir), "commit": git_commit(repo_root()), "machine": machine_info()}
-    out = P.outputs_root() / "bench" / "draft_vocab.jsonl"
+    out = params.outputs_root() / "bench" / "draft_vocab.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a") as f:
         for row in summary[columns].to_dict("records"):

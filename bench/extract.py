@@ -62,23 +62,23 @@ def random_dataset(batches: int, batch: int, seq: int, vocab: int):
 
 def compare_backends(args) -> dict:
     """extract.backend hf vs vllm: the whole stage on the same rows, fresh cache each."""
-    P0 = load_params(args.params)
-    path = target_path(P0)
-    ds = random_dataset(args.batches, args.batch, args.seq, P0.target_shape()["vocab_size"])
+    base_params = load_params(args.params)
+    path = target_path(base_params)
+    ds = random_dataset(args.batches, args.batch, args.seq, base_params.target_shape()["vocab_size"])
     results = {}
     for backend in ("hf", "vllm"):
         with tempfile.TemporaryDirectory(prefix=f"bench-extract-{backend}-") as tmp:
-            P = load_params(args.params, overrides={
+            params = load_params(args.params, overrides={
                 "output_dir": tmp, "target": {"path": str(path), "dtype": args.dtype},
                 "data": {"max_length": args.seq},
                 "extract": {"backend": backend, "batch_tokens": args.batch * args.seq,
                             "shard_tokens": 2 * args.batch * args.seq}})
             t0 = time.perf_counter()
-            s = extract_hidden_states(P, P.layout(), "train", dataset=ds, progress=False)
+            s = extract_hidden_states(params, params.layout(), "train", dataset=ds, progress=False)
             total = time.perf_counter() - t0
         results[backend] = {"tokens": s["tokens_computed"], "seconds": s["seconds"], "tokens_per_s": s["tokens_per_s"],
                             "start_s": total - s["seconds"], "bytes_per_token": s["bytes_per_token"]}
-    print(f"target {path.name} ({args.dtype}), cache {P0.extract.dtype}; {args.batches} batches of "
+    print(f"target {path.name} ({args.dtype}), cache {base_params.extract.dtype}; {args.batches} batches of "
           f"{args.batch} x {args.seq} tokens; torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{'backend':<8}{'tokens':>8}{'stage s':>9}{'tok/s':>8}{'start s':>9}{'bytes/token':>13}")
     for name, r in results.items():
@@ -103,11 +103,11 @@ def main(argv=None):
     if args.backends:
         return compare_backends(args)
 
-    P = load_params(args.params)
-    path = target_path(P)
+    params = load_params(args.params)
+    path = target_path(params)
     model = load_target(path, args.dtype)
-    aux_layers = P.aux_layer_ids()
-    cache_dtype = torch_dtype(P.extract.dtype)
+    aux_layers = params.aux_layer_ids()
+    cache_dtype = torch_dtype(params.extract.dtype)
     H = model.config.hidden_size
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=gen)
@@ -126,10 +126,11 @@ def main(argv=None):
     summaries = []
 
     def run_stage(tmp):
-        Pb = load_params(args.params, overrides={
+        stage_params = load_params(args.params, overrides={
             "output_dir": tmp, "extract": {"batch_tokens": args.batch * args.seq,
                                            "shard_tokens": 2 * args.batch * args.seq}})
-        summaries.append(extract_hidden_states(Pb, Pb.layout(), "train", model=model, dataset=ds, progress=False))
+        summaries.append(extract_hidden_states(stage_params, stage_params.layout(), "train", model=model, dataset=ds,
+                                               progress=False))
 
     methods = {
         "bare forward": lambda tmp: [bare_forward(model, ids, mask) for ids in batches],
@@ -159,9 +160,9 @@ def main(argv=None):
         per_round = statistics.median(b[0] / t[0] for b, t in zip(times["bare forward"], ts))
         print(f"{name:<24}{w:8.2f}{n_tok / w:8.0f}{bare_w / w:9.3f}{c:8.2f}{bare_c / c:9.3f}{per_round:18.3f}")
     summary = summaries[-1]
-    ideal = 2 * 4 * H if P.extract.dtype != "float32" else 4 * 4 * H
+    ideal = 2 * 4 * H if params.extract.dtype != "float32" else 4 * 4 * H
     bpt = summary["bytes_per_token"]
-    print(f"\ncache: {summary['bytes_total']} bytes, {bpt:.1f} bytes/token = {ideal} ({P.extract.dtype} x 4H) "
+    print(f"\ncache: {summary['bytes_total']} bytes, {bpt:.1f} bytes/token = {ideal} ({params.extract.dtype} x 4H) "
           f"+ {bpt - ideal:.1f} ({100 * (bpt - ideal) / ideal:.2f}% ids/mask/offsets/header)")
     print("per round wall s: " + "; ".join(f"{k} " + ", ".join(f"{t[0]:.2f}" for t in v) for k, v in times.items()))
     ratio = bare_w / sum(t[0] for t in times["extract_hidden_states"])

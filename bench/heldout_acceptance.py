@@ -38,14 +38,14 @@ def main(argv=None) -> int:
                     help="cache split; 'train' measures the generalisation gap on seen sequences")
     args = ap.parse_args(argv)
 
-    P = load_params(args.params)
-    layout = P.layout(args.run)
-    k = args.k or P.eval.k
-    max_answer = args.max_answer_tokens or P.eval.max_new_tokens
-    drafter = load_drafter(layout.final, target_path(P)).eval()        # fc folded: reads raw aux
-    J = max(k, P.train.ttt_steps)                                    # steps to unroll (>= k)
-    scoring = build_scoring(P, layout, drafter, "cpu", ttt_steps=J)  # the trainer's head, objective, autocast
-    batches = scoring.heldout(HiddenCache(layout.hidden(args.split)), args.sequences, P.train.batch_tokens, "cpu")
+    params = load_params(args.params)
+    layout = params.layout(args.run)
+    k = args.k or params.eval.k
+    max_answer = args.max_answer_tokens or params.eval.max_new_tokens
+    drafter = load_drafter(layout.final, target_path(params)).eval()   # fc folded: reads raw aux
+    J = max(k, params.train.ttt_steps)                               # steps to unroll (>= k)
+    scoring = build_scoring(params, layout, drafter, "cpu", ttt_steps=J)  # the trainer's head, objective, autocast
+    batches = scoring.heldout(HiddenCache(layout.hidden(args.split)), args.sequences, params.train.batch_tokens, "cpu")
     objective, amp = scoring.objective, scoring.amp
 
     t0 = time.time()
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
            "step0_acc_by_answer_position": {f"{32 * b}-{32 * b + 31}" if b < 7 else f"{32 * b}+":
                                             round(h / max(1, m), 4) for b, (h, m) in sorted(by_pos.items())},
            "wall_s": round(time.time() - t0, 1)}
-    out = P.outputs_root() / "bench" / "heldout_acceptance.jsonl"
+    out = params.outputs_root() / "bench" / "heldout_acceptance.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a") as f:
         f.write(json.dumps(row) + "\n")

@@ -25,12 +25,12 @@ from eagle3lib.target import load_tokenizer, target_path
 from eagle3lib.vllm_bench import mode
 
 
-def sweep_modes(P, export_dir: Path, ks: list) -> list:
+def sweep_modes(params, export_dir: Path, ks: list) -> list:
     """plain, then n-gram (eval.prompt_lookup_min/max) and EAGLE-3 at each k."""
     modes = [mode("plain")]
     for k in ks:
-        modes.append(mode("ngram", k, prompt_lookup_min=P.eval.prompt_lookup_min,
-                          prompt_lookup_max=P.eval.prompt_lookup_max))
+        modes.append(mode("ngram", k, prompt_lookup_min=params.eval.prompt_lookup_min,
+                          prompt_lookup_max=params.eval.prompt_lookup_max))
         modes.append(mode("eagle3", k, model=str(export_dir)))
     return modes
 
@@ -45,28 +45,28 @@ def main(argv=None) -> int:
                     help="another vLLM export of this run's drafters, e.g. a 06_scaling point's "
                          "outputs/<run>/scaling/n002000/export (default: the run's own export/)")
     args = ap.parse_args(argv)
-    P = load_params(args.params)
-    layout = P.layout(args.run)
+    params = load_params(args.params)
+    layout = params.layout(args.run)
     export_dir = Path(args.export).resolve() if args.export else layout.export   # the vLLM child runs elsewhere
     if not (export_dir / "config.json").is_file():
         raise SystemExit(f"{export_dir}: no export; run 05_eval first "
                          f"(eagle3 run --params {args.params} --only eval)")
-    tdir = target_path(P)
-    prompts, skipped = ev.eval_prompts(P, layout.root, load_tokenizer(tdir, P.target.trust_remote_code))
-    prompts = prompts[:args.prompts or P.eval.vllm_prompts or P.eval.num_prompts]
+    tdir = target_path(params)
+    prompts, skipped = ev.eval_prompts(params, layout.root, load_tokenizer(tdir, params.target.trust_remote_code))
+    prompts = prompts[:args.prompts or params.eval.vllm_prompts or params.eval.num_prompts]
     t0 = time.time()
-    summary, raw = ev.run_vllm_eval(P, tdir, prompts, sweep_modes(P, export_dir, args.k),
+    summary, raw = ev.run_vllm_eval(params, tdir, prompts, sweep_modes(params, export_dir, args.k),
                                     layout.root / "bench" / "k_sweep")
     columns = ["method", "k", "prompts", "new_tokens", "tokens_per_s", "speedup", "acceptance_length",
                "same_output_as_plain"]
-    print(f"{P.run_name}: {len(prompts)} held-out prompts ({skipped} over eval.max_prompt_tokens), "
-          f"{P.eval.max_new_tokens} new tokens, T={P.eval.temperature}, {P.eval.vllm_dtype}, "
+    print(f"{params.run_name}: {len(prompts)} held-out prompts ({skipped} over eval.max_prompt_tokens), "
+          f"{params.eval.max_new_tokens} new tokens, T={params.eval.temperature}, {params.eval.vllm_dtype}, "
           f"vLLM {raw['vllm_version']}, {time.time() - t0:.0f} s")
     print(summary[columns].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     stamp = {"date": time.strftime("%Y-%m-%d %H:%M"), "params": args.params, "run": layout.root.name,
              "export": str(export_dir),
              "commit": git_commit(repo_root()), "machine": machine_info(), "prompts": len(prompts)}
-    out = P.outputs_root() / "bench" / "k_sweep.jsonl"
+    out = params.outputs_root() / "bench" / "k_sweep.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a") as f:
         for row in summary[columns].to_dict("records"):

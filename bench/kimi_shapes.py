@@ -28,14 +28,14 @@ from eagle3lib.params import load_params
 
 
 def profile(attention: str, checkpointing: bool, nproc: int):
-    P = load_params("params/b300.yaml")
-    return dataclasses.replace(P, train=dataclasses.replace(
-        P.train, attention=attention, activation_checkpointing=checkpointing, nproc=nproc))
+    params = load_params("params/b300.yaml")
+    return dataclasses.replace(params, train=dataclasses.replace(
+        params.train, attention=attention, activation_checkpointing=checkpointing, nproc=nproc))
 
 
-def random_batch(P, config, sequences: int, seq_len: int, device) -> dict:
+def random_batch(params, config, sequences: int, seq_len: int, device) -> dict:
     """meta_batch's shapes with random values: aux bf16, ids in the vocab, soft labels summing to 1."""
-    b = meta_batch(P, config, sequences, seq_len, device=device)
+    b = meta_batch(params, config, sequences, seq_len, device=device)
     g = torch.Generator(device=device).manual_seed(0)
     b["aux"] = torch.randn(b["aux"].shape, generator=g, device=device).to(b["aux"].dtype)
     b["input_ids"] = torch.randint(config.vocab_size, b["input_ids"].shape, generator=g, device=device)
@@ -44,17 +44,17 @@ def random_batch(P, config, sequences: int, seq_len: int, device) -> dict:
     return b
 
 
-def gpu_step_rate(P, seq_len: int, batch_tokens: int, steps: int) -> dict:
+def gpu_step_rate(params, seq_len: int, batch_tokens: int, steps: int) -> dict:
     """Tokens/s and peak memory of forward + backward + AdamW on cuda:0 (bf16 autocast, fp32 weights)."""
     device = torch.device("cuda:0")
-    config = drafter_config(P)
+    config = drafter_config(params)
     torch.manual_seed(0)
     drafter = Eagle3Drafter(config).to(device)
-    drafter.configure_training(P.train.attention, P.train.activation_checkpointing, device)
-    objective = TTTObjective(drafter, P.train.ttt_steps, P.train.decay)
+    drafter.configure_training(params.train.attention, params.train.activation_checkpointing, device)
+    objective = TTTObjective(drafter, params.train.ttt_steps, params.train.decay)
     optimizer = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad], lr=1e-4)
-    batch = random_batch(P, config, batch_tokens // seq_len, seq_len, device)
-    denominators = torch.full((P.train.ttt_steps,), float(batch["tgt_b"].numel()), dtype=torch.float64,
+    batch = random_batch(params, config, batch_tokens // seq_len, seq_len, device)
+    denominators = torch.full((params.train.ttt_steps,), float(batch["tgt_b"].numel()), dtype=torch.float64,
                               device=device)
     torch.cuda.reset_peak_memory_stats(device)
     times = []
@@ -71,7 +71,7 @@ def gpu_step_rate(P, seq_len: int, batch_tokens: int, steps: int) -> dict:
             times.append(time.perf_counter() - t0)
     tokens = (batch_tokens // seq_len) * seq_len
     return {"seq_len": seq_len, "batch_tokens": tokens, "attention": drafter.attention_impl,
-            "activation_checkpointing": P.train.activation_checkpointing, "steps": steps,
+            "activation_checkpointing": params.train.activation_checkpointing, "steps": steps,
             "tokens_per_s": tokens / (sum(times) / len(times)), "step_s": sum(times) / len(times),
             "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9,
             "device": torch.cuda.get_device_name(device), "torch": torch.__version__}
@@ -89,14 +89,14 @@ def main() -> int:
     rows = []
     for attention in a.attention:
         for seq in a.seq:
-            P = profile(attention, not a.no_checkpointing, nproc=1)
-            batch_tokens = a.batch_tokens or P.train.batch_tokens
-            est = estimate(P, seq, batch_tokens, "cuda")
-            print(format_estimate(est, P.train.gpu_memory_gb), flush=True)
+            params = profile(attention, not a.no_checkpointing, nproc=1)
+            batch_tokens = a.batch_tokens or params.train.batch_tokens
+            est = estimate(params, seq, batch_tokens, "cuda")
+            print(format_estimate(est, params.train.gpu_memory_gb), flush=True)
             row = {"attention": attention, "seq_len": seq, "batch_tokens": batch_tokens,
                    "estimate_one_rank_peak_gb": est.peak_bytes / 1e9}
             if a.gpu:
-                row.update(gpu_step_rate(P, seq, batch_tokens, a.steps))
+                row.update(gpu_step_rate(params, seq, batch_tokens, a.steps))
                 print(json.dumps(row), flush=True)
             rows.append(row)
     out = Path("outputs/bench/kimi_shapes.json")

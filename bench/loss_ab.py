@@ -36,19 +36,21 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=None, help="vLLM prompts (default: eval.vllm_prompts)")
     ap.add_argument("--no-vllm", action="store_true")
     args = ap.parse_args(argv)
-    P = load_params(args.params)
-    if P.train.loss != "kl":
-        raise SystemExit(f"{args.params}: train.loss is {P.train.loss!r}; the A/B's baseline is the profile's "
+    params = load_params(args.params)
+    if params.train.loss != "kl":
+        raise SystemExit(f"{args.params}: train.loss is {params.train.loss!r}; the A/B's baseline is the profile's "
                          "recipe with train.loss kl")
-    L = P.layout(args.run)
+    layout = params.layout(args.run)
     t0 = time.time()
-    rows = [sc.train_point(P, L, args.chats), sc.train_point(P, L, args.chats, variant=args.loss, loss=args.loss)]
+    rows = [sc.train_point(params, layout, args.chats),
+            sc.train_point(params, layout, args.chats, variant=args.loss, loss=args.loss)]
     for row, loss in zip(rows, ("kl", args.loss)):
         row["loss"] = loss
     if not args.no_vllm:
-        K = P.eval.k
-        exports = {f"eagle3_{row['loss']}_k{K}": sc.export_point(P, row["final_dir"], target_path(P)) for row in rows}
-        summary, raw, same = sc.vllm_compare(P, L, exports, L.eval_work("loss_ab"), limit=args.prompts)
+        K = params.eval.k
+        exports = {f"eagle3_{row['loss']}_k{K}": sc.export_point(params, row["final_dir"], target_path(params))
+                   for row in rows}
+        summary, raw, same = sc.vllm_compare(params, layout, exports, layout.eval_work("loss_ab"), limit=args.prompts)
         print(same)
         for row in rows:
             m = summary[summary["method"] == f"eagle3_{row['loss']}_k{K}"].iloc[0]
@@ -63,7 +65,7 @@ def main(argv=None) -> int:
     with open(out, "a") as f:
         f.write(json.dumps({"date": time.strftime("%Y-%m-%d"), "commit": git_commit(repo_root()),
                             "machine": machine_info(), "params": args.params, "chats": args.chats,
-                            "epochs": P.scaling.epochs, "seconds": round(time.time() - t0),
+                            "epochs": params.scaling.epochs, "seconds": round(time.time() - t0),
                             "rows": [{k: v for k, v in r.items() if k != "final_dir"} for r in rows]}) + "\n")
     return 0
 

@@ -63,13 +63,14 @@ def one_variant(name: str, steps: int, warmup: int, seq: int, batch_tokens: int,
     drafter.activation_checkpointing = "ckpt" in parts
     head = TargetHead(torch.randn(V, H) * 0.05, drafter.d2t)
     objective = TTTObjective(drafter, ttt_steps, 0.8, compile=compiled)   # as train.compile does
-    t = TrainParams(ttt_steps=ttt_steps, batch_tokens=batch_tokens, dtype="bfloat16" if dtype == "bf16" else "float32",
-                    optimizer="muon" if {"muon", "muontorch"} & set(parts) else "adamw")
-    optimizers = make_optimizers_for(objective, t)
+    train_params = TrainParams(ttt_steps=ttt_steps, batch_tokens=batch_tokens,
+                               dtype="bfloat16" if dtype == "bf16" else "float32",
+                               optimizer="muon" if {"muon", "muontorch"} & set(parts) else "adamw")
+    optimizers = make_optimizers_for(objective, train_params)
     if "muontorch" in parts:          # what the trainer builds for bf16 training: torch.optim.Muon (bf16 Newton-Schulz)
         optimizers[0] = muon_optimizer(optimizers[0].param_groups[0]["params"],
-                                       dataclasses.replace(t, dtype="bfloat16"))
-    amp = autocast_for(t.dtype, "cpu")                                    # as the trainer's
+                                       dataclasses.replace(train_params, dtype="bfloat16"))
+    amp = autocast_for(train_params.dtype, "cpu")                         # as the trainer's
     dist = Dist()                                                         # one process: rank 0 of 1
 
     B = max(1, batch_tokens // seq)
@@ -86,7 +87,7 @@ def one_variant(name: str, steps: int, warmup: int, seq: int, batch_tokens: int,
         t0 = time.perf_counter()
         prepared = [batch()]
         t1 = time.perf_counter()
-        loss, _, _, _ = optimizer_step(objective, optimizers, prepared, t, dist, amp)
+        loss, _, _, _ = optimizer_step(objective, optimizers, prepared, train_params, dist, amp)
         t2 = time.perf_counter()
         if i == 0:
             first = t2 - t0                     # includes torch.compile's compilation

@@ -46,8 +46,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default="/tmp/eagle3lab-sweep")
     args = ap.parse_args(argv)
 
-    P = load_params(args.params)
-    src = P.layout(args.run)
+    params = load_params(args.params)
+    src = params.layout(args.run)
     for need in (src.hidden("train") / "manifest.json", src.hidden("eval") / "manifest.json", src.vocab):
         if not need.is_file():
             raise SystemExit(f"{need} is missing: run the pipeline up to extract first")
@@ -55,16 +55,16 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     models = work / "models"
     if not models.exists():
-        models.symlink_to(P.outputs_root() / "models")
-    out_path = P.outputs_root() / "bench" / "train_sweep.jsonl"
+        models.symlink_to(params.outputs_root() / "models")
+    out_path = params.outputs_root() / "bench" / "train_sweep.jsonl"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     for text in args.variant:
         name, changes = parse_variant(text)
-        t = replace(P.train, resume=False, time_budget_minutes=None, checkpoint_every=10**9)
-        t = replace(t, **changes)
+        train_params = replace(params.train, resume=False, time_budget_minutes=None, checkpoint_every=10**9)
+        train_params = replace(train_params, **changes)
         if "max_steps" not in changes:
-            t = replace(t, max_steps=max(1, math.ceil(args.tokens / t.batch_tokens)))
-        Q = replace(P, output_dir=str(work), run_name=name, train=t)
+            train_params = replace(train_params, max_steps=max(1, math.ceil(args.tokens / train_params.batch_tokens)))
+        Q = replace(params, output_dir=str(work), run_name=name, train=train_params)
         run = Q.layout()
         if run.root.exists():
             remove_tree(run.root, under=work)

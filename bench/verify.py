@@ -81,15 +81,15 @@ def main(argv=None) -> int:
     ap.add_argument("--cold", action="store_true", help="say that the page cache was dropped before")
     args = ap.parse_args(argv)
 
-    P = load_params(args.params)
+    params = load_params(args.params)
     if args.synthetic_gb is not None:
-        folder = synthetic_cache(P.outputs_root() / "bench" / "verify-cache", args.synthetic_gb, args.shard_mb)
+        folder = synthetic_cache(params.outputs_root() / "bench" / "verify-cache", args.synthetic_gb, args.shard_mb)
     else:
-        folder = P.layout(args.run).hidden(args.split)
+        folder = params.layout(args.run).hidden(args.split)
     cache = hc.HiddenCache(folder)
     shards = cache.manifest.shards
     total = sum(r.bytes for r in shards)
-    sampled = [shards[i] for i in hc.sample_shards(len(shards), args.sample, P.seed)]
+    sampled = [shards[i] for i in hc.sample_shards(len(shards), args.sample, params.seed)]
 
     row = {"cache": str(folder), "shards": len(shards), "gb": total / 1e9, "cold": args.cold,
            "cpu_count": os.cpu_count(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
                                           "s_per_gb": full_s / (total / 1e9)}
         row[f"sampled_workers_{workers}"] = {"seconds": sample_s, "shards": len(sampled), "gb": sample_gb,
                                              "s_per_gb_of_cache": sample_s / (total / 1e9)}
-    out = P.outputs_root() / "bench" / "verify.jsonl"
+    out = params.outputs_root() / "bench" / "verify.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a") as f:
         f.write(json.dumps(row) + "\n")

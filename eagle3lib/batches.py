@@ -83,6 +83,13 @@ class CacheSequences(Dataset):
     def __getitem__(self, k: int) -> dict:
         return self.cache.get(self.usable[k])
 
+    def __getitems__(self, ks: list) -> list:
+        """A micro-batch's items at once (the DataLoader's batched fetch): an online cache sends
+        their requests together."""
+        if hasattr(self.cache, "get_many"):
+            return self.cache.get_many([self.usable[k] for k in ks])
+        return [self.cache.get(self.usable[k]) for k in ks]
+
 
 class StepSampler(Sampler):
     """This rank's micro-batches (lists of CacheSequences indices) from optimizer step `start` to

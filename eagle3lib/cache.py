@@ -27,7 +27,7 @@ split across torchrun ranks. `verified.json` beside the manifest records each sh
 manifest sha256 and file size, mtime, ctime, inode), so a shard is hashed once while it stays as
 it was, and the bad shards a verification found, which the extract stage then redoes.
 
-    cache = check_cache(P, layout, "train")    # open, same params as P, verified (train.verify_cache)
+    cache = check_cache(params, layout, "train")  # open, made from these params, verified (train.verify_cache)
     item = cache.get(0)                        # input_ids [T], loss_mask [T], aux [T, 3, H], final [T, H]
 """
 from __future__ import annotations
@@ -74,9 +74,9 @@ class CacheError(RuntimeError):
     """The hidden-state cache cannot be written or read as asked; the message says what to do."""
 
 
-def cache_params_hash(P: Params) -> str:
+def cache_params_hash(params: Params) -> str:
     """The params a cache depends on: the data and extract sections, the seed and the target path."""
-    return P.section_hash("data", "extract")
+    return params.section_hash("data", "extract", leave_out=("extract.mode",))
 
 
 # ---- the plan: which sequences go to which shard and which forward batch ------------------------
@@ -317,7 +317,7 @@ class CacheHeader:
     aux_layers: list           # the 3 decoder-layer ids whose inputs are stored
     hidden_size: int
     split: Optional[str] = None
-    params_hash: Optional[str] = None           # cache_params_hash(P)
+    params_hash: Optional[str] = None           # cache_params_hash(params)
     target_dtype: Optional[str] = None          # the dtype the target ran in
     dataset_fingerprint: Optional[str] = None   # content of the processed split
     num_layers: Optional[int] = None
@@ -385,11 +385,11 @@ def read_manifest(path) -> Manifest:
         raise CacheError(f"{path}: malformed {FORMAT} manifest ({e}); delete {path.parent} and {RERUN}") from e
 
 
-def identity(P: Params, split: str, dataset_fingerprint: str, target_dtype: str) -> dict:
+def identity(params: Params, split: str, dataset_fingerprint: str, target_dtype: str) -> dict:
     """What a cache must match to be reused: format, params hash (data + extract sections, seed,
     target path), dataset content, target dtype."""
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "split": split,
-            "params_hash": cache_params_hash(P), "target_dtype": target_dtype,
+            "params_hash": cache_params_hash(params), "target_dtype": target_dtype,
             "dataset_fingerprint": dataset_fingerprint}
 
 
@@ -763,16 +763,16 @@ def _record_verification(cache: HiddenCache, record: dict, hashed: list, problem
                                               "hashed": good, "bad": bad})
 
 
-def check_cache(P: Params, layout: RunLayout, split: str, dist: Optional["Dist"] = None,
+def check_cache(params: Params, layout: RunLayout, split: str, dist: Optional["Dist"] = None,
                 mode: Optional[str] = None) -> HiddenCache:
-    """The cache of `split` for training with params P: complete, made from these params (the
-    manifest's params_hash is cache_params_hash(P): same data and extract sections, seed and
+    """The cache of `split` for training with profile `params`: complete, made from these params (the
+    manifest's params_hash is cache_params_hash(params): same data and extract sections, seed and
     target), and verified by verify_cache in `mode` (default train.verify_cache, with
     train.verify_sample and the seed). Otherwise a CacheError naming the folder and the stage to
     rerun. Under torchrun every rank calls it with its `dist` (the ranks share the hashing)."""
     folder = layout.hidden(split)
     cache = HiddenCache(folder)
-    have, want = cache.manifest.header.params_hash, cache_params_hash(P)
+    have, want = cache.manifest.header.params_hash, cache_params_hash(params)
     if have != want:
         raise CacheError(
             f"{folder} was extracted with other params (params_hash {have!r}; these params give {want!r}: "
@@ -782,5 +782,5 @@ def check_cache(P: Params, layout: RunLayout, split: str, dist: Optional["Dist"]
     if cache.manifest.header.split != split:
         raise CacheError(f"{folder} holds the {cache.manifest.header.split!r} split, not {split!r}; "
                          f"delete {folder} and {RERUN}")
-    verify_cache(cache, mode or P.train.verify_cache, P.train.verify_sample, P.seed, dist)
+    verify_cache(cache, mode or params.train.verify_cache, params.train.verify_sample, params.seed, dist)
     return cache

@@ -1,8 +1,8 @@
 """Chat sources -> normalised chats: read the records, normalise them or count them as malformed,
 drop duplicates, split deterministically into held-out eval chats and a train pool. No tokenizer.
 
-    chats, read_stats = load_chats(P.data.source, P.data.max_records)   # [{"id", "messages"}], counts
-    eval_chats, pool = split_chats(chats, P.data.num_eval, P.seed)      # or held_out_chats(P)
+    chats, read_stats = load_chats(params.data.source, params.data.max_records)  # [{"id", "messages"}], counts
+    eval_chats, pool = split_chats(chats, params.data.num_eval, params.seed)  # or held_out_chats(params)
 
 Sources (`data.source`, params.data_sources): "sharegpt" (the embedded ShareGPT V3 file), a local
 .json (array) / .jsonl file or a folder written by `datasets.save_to_disk`, or a list of them, each
@@ -501,8 +501,8 @@ def first_user_prompt(messages: list[dict]) -> list[dict]:
     return system + [messages[len(system)]]
 
 
-def held_out_chats(P) -> tuple[list[dict], list[dict], dict]:
+def held_out_chats(params) -> tuple[list[dict], list[dict], dict]:
     """(eval chats, train pool, read stats) of a profile: cheap, no tokenizer."""
-    chats, read_stats = load_chats(P.data.source, P.data.max_records)
-    eval_chats, pool = split_chats(chats, P.data.num_eval, P.seed)
+    chats, read_stats = load_chats(params.data.source, params.data.max_records)
+    eval_chats, pool = split_chats(chats, params.data.num_eval, params.seed)
     return eval_chats, pool, read_stats

@@ -109,10 +109,10 @@ def compare(runs: list, outputs=None, plot=None) -> None:
     if missing:
         raise FileNotFoundError(f"no metrics.json in {', '.join(missing)}: name runs under {root} "
                                 "(or give run folders), each run by `eagle3 run` at least in part")
-    metrics, params = compare_runs(folders)
+    metrics, param_diff = compare_runs(folders)
     print(markdown_table(metrics, "quantity"))
     print()
-    print(markdown_table(params, "param") if len(params) else "(the runs' params are the same)")
+    print(markdown_table(param_diff, "param") if len(param_diff) else "(the runs' params are the same)")
     if plot:
         plot_training_curves(folders).savefig(plot, dpi=100, bbox_inches="tight")
         print(f"\ntraining curves: {plot}")

@@ -258,13 +258,13 @@ def tokenize_chats(tokenizer, chats: list[dict], max_length: int,
 
 
 # ---- the stage ----------------------------------------------------------------------------
-def cache_key(P) -> dict[str, str]:
+def cache_key(params) -> dict[str, str]:
     """What the data outputs depend on (stats.json carries it): the data params (with the seed and
     the target path), the content of `data.source` (source_sha256) and, with regeneration, the
     regeneration settings (regenerate.regen_key)."""
-    key = {"data_hash": P.section_hash("data"), "source_sha256": source_sha256(P.data.source)}
-    if P.data.regenerate:
-        key["regen_key"] = regen_key(P)
+    key = {"data_hash": params.section_hash("data"), "source_sha256": source_sha256(params.data.source)}
+    if params.data.regenerate:
+        key["regen_key"] = regen_key(params)
     return key
 
 
@@ -298,19 +298,19 @@ def _save_dataset(columns: dict, path: Path) -> None:
     datasets.Dataset.from_dict(columns, features=features).save_to_disk(str(path))
 
 
-def _target_answers(P, run_dir, train_chats: list[dict], eval_chats: list[dict], progress: bool
+def _target_answers(params, run_dir, train_chats: list[dict], eval_chats: list[dict], progress: bool
                     ) -> tuple[list[dict], list[dict], list[dict], Optional[RegenStats]]:
     """(train chats answered by the target, train chats keeping the dataset's answers, eval chats,
     regeneration stats). Without data.regenerate every chat keeps its answers and counts as the
     target's for the draft vocabulary, as before regeneration existed."""
-    d = P.data
+    d = params.data
     if not d.regenerate:
         return train_chats, [], eval_chats, None
     # regen_num_train: only the first N training chats are regenerated; the rest keep the
     # dataset's answers (appended after the regenerated ones).
     to_regen = train_chats if d.regen_num_train is None else train_chats[:d.regen_num_train]
     original = train_chats[len(to_regen):]
-    regenerated, regen = regenerate_chats(P, run_dir, to_regen + eval_chats, progress)
+    regenerated, regen = regenerate_chats(params, run_dir, to_regen + eval_chats, progress)
     by_id = {c["id"]: c for c in regenerated}
     train_in = [by_id[c["id"]] for c in to_regen if c["id"] in by_id]
     eval_in = [by_id[c["id"]] for c in eval_chats if c["id"] in by_id]
@@ -396,7 +396,7 @@ def check_not_empty(d, train_stats: dict, eval_stats: dict, skipped_long: int, s
                            "template errors): raise data.max_length, or use a source with shorter prompts")
 
 
-def prepare_data(P, run_dir, progress: bool = True, force: bool = False) -> DataStats:
+def prepare_data(params, run_dir, progress: bool = True, force: bool = False) -> DataStats:
     """Build `<run>/data/` (train/eval datasets, eval prompts, draft vocabulary, stats).
 
     Idempotent: returns the stored stats (with `cached=True`) when the outputs exist for the same
@@ -405,19 +405,19 @@ def prepare_data(P, run_dir, progress: bool = True, force: bool = False) -> Data
     Regeneration results are kept across rebuilds (keyed by each chat's id and prompt turns)."""
     layout = RunLayout(run_dir)
     check_run_links(layout.root)   # no write or delete may go through a link out of the run
-    key = cache_key(P)  # before reading: a source edited during the build is rebuilt next time
+    key = cache_key(params)  # before reading: a source edited during the build is rebuilt next time
     if not force and (cached := _cached_stats(layout, key)) is not None:
         update_metrics(layout.root, "data", data_metrics(cached))
         return replace(cached, cached=True)
     t0 = time.time()
-    tokenizer = load_tokenizer(target_path(P), P.target.trust_remote_code)
-    d = P.data
+    tokenizer = load_tokenizer(target_path(params), params.target.trust_remote_code)
+    d = params.data
     check_thinking(tokenizer, d)
-    eval_chats, pool, read_stats = held_out_chats(P)
+    eval_chats, pool, read_stats = held_out_chats(params)
     train_chats, skipped_long = select_train(tokenizer, pool, d.num_train, d.max_length, progress, d.thinking)
     if not train_chats:                # before any regeneration: nothing would come of it
         check_not_empty(d, {"conversations": 0}, {}, skipped_long, 0)
-    train_in, original, eval_in, regen = _target_answers(P, run_dir, train_chats, eval_chats, progress)
+    train_in, original, eval_in, regen = _target_answers(params, run_dir, train_chats, eval_chats, progress)
 
     train_cols, train_stats = tokenize_chats(tokenizer, train_in + original, d.max_length, progress,
                                              "tokenize train", d.thinking)
@@ -427,7 +427,7 @@ def prepare_data(P, run_dir, progress: bool = True, force: bool = False) -> Data
     if d.num_train is not None and len(train_chats) < d.num_train:
         print(f"[data] warning: data.num_train is {d.num_train:,}, the sources hold {len(train_chats):,} usable "
               f"training chats ({skipped_long:,} skipped: prompt longer than data.max_length); training uses those")
-    vocab_size = max(int((P.target_shape() or {}).get("vocab_size", 0)), len(tokenizer))
+    vocab_size = max(int((params.target_shape() or {}).get("vocab_size", 0)), len(tokenizer))
     d2t, t2d, vocab_stats = _draft_vocab(train_cols, eval_cols, {c["id"] for c in train_in},
                                          vocab_size, d.draft_vocab_size)
     _write_outputs(layout, train_cols, eval_cols, eval_chats, d2t, t2d)
@@ -507,25 +507,25 @@ def _read_prompts_file(path: Path) -> list[dict]:
     return records
 
 
-def load_eval_prompts(P, run_dir=None, limit: Optional[int] = None) -> list[dict]:
+def load_eval_prompts(params, run_dir=None, limit: Optional[int] = None) -> list[dict]:
     """Held-out decoding prompts `[{"id", "messages": [system?, user], "category"}]`.
 
     From `eval.prompts_path` when set; else `<run>/data/eval_prompts.jsonl` when prepare_data ran
     with the current data params; else computed directly from the split (cheap, no tokenizer), so
     stages that run before the data stage get the same prompts. Order: the split order.
-    `limit` keeps the first n (callers usually pass P.eval.num_prompts)."""
-    if P.eval.prompts_path:
-        path = resolve_path(P.eval.prompts_path)
+    `limit` keeps the first n (callers usually pass params.eval.num_prompts)."""
+    if params.eval.prompts_path:
+        path = resolve_path(params.eval.prompts_path)
         if not path.is_file():
-            raise FileNotFoundError(f"eval.prompts_path {P.eval.prompts_path!r}: no such file")
+            raise FileNotFoundError(f"eval.prompts_path {params.eval.prompts_path!r}: no such file")
         records = _read_prompts_file(path)
     else:
         layout = RunLayout(run_dir) if run_dir is not None else None
         stored = layout.eval_prompts if layout is not None else None
-        if stored is not None and stored.is_file() and _cached_stats(layout, cache_key(P)) is not None:
+        if stored is not None and stored.is_file() and _cached_stats(layout, cache_key(params)) is not None:
             records = [json.loads(l) for l in stored.read_text(encoding="utf-8").split("\n") if l.strip()]
         else:
-            records = eval_prompt_records(held_out_chats(P)[0])
+            records = eval_prompt_records(held_out_chats(params)[0])
     return records[:limit] if limit is not None else records
 
 

@@ -1,7 +1,7 @@
 """vLLM engine arguments: the one place that turns params into `vllm.LLM(**kwargs)` for every
 stage that runs the target in vLLM (regeneration, extraction, the eval benchmarks).
 
-    kwargs = engine_kwargs(P, "extract", model_path, max_model_len=P.data.max_length + 1)
+    kwargs = engine_kwargs(params, "extract", model_path, max_model_len=params.data.max_length + 1)
     # ... passed as JSON to the stage's vLLM subprocess, which calls vllm.LLM(**kwargs, <its extras>)
 
 Settings (params, see params.TargetParams; eval and extract may override the batch budget):
@@ -18,7 +18,7 @@ Settings (params, see params.TargetParams; eval and extract may override the bat
     target.dtype, seed              the dtype the weights run in; the engine's sampling seed
     max_model_len                   per stage: prompt + answer tokens it must hold
     extract.model_runner            vLLM's model runner for extraction; an environment variable,
-                                    not an engine argument: engine_env(P, stage)
+                                    not an engine argument: engine_env(params, stage)
 
 The attention backend is chosen here by the CPU's flags, not by params (`cpu_attention_backend`):
 on an AMX CPU, vLLM's CPU platform prefers its bf16-only AMX_MLA backend for MLA targets
@@ -101,7 +101,7 @@ def build_kwargs(model, dtype: str, max_model_len: int, seed: int = 0, *, tensor
     return kwargs
 
 
-def engine_kwargs(P: Params, stage: str, model: str | Path, max_model_len: int,
+def engine_kwargs(params: Params, stage: str, model: str | Path, max_model_len: int,
                   dtype: Optional[str] = None) -> dict:
     """`vllm.LLM` kwargs for `stage` ("regenerate" | "extract" | "eval") from the params.
 
@@ -110,11 +110,11 @@ def engine_kwargs(P: Params, stage: str, model: str | Path, max_model_len: int,
     target.max_num_batched_tokens."""
     if stage not in STAGES:
         raise ValueError(f"engine_kwargs: unknown stage {stage!r} (known: {', '.join(STAGES)})")
-    t = P.target
-    budget = {"extract": P.extract.vllm_max_num_batched_tokens,
-              "eval": P.eval.vllm_max_num_batched_tokens}.get(stage)
+    t = params.target
+    budget = {"extract": params.extract.vllm_max_num_batched_tokens,
+              "eval": params.eval.vllm_max_num_batched_tokens}.get(stage)
     dtype = dtype or t.dtype
-    return build_kwargs(model, dtype, max_model_len, P.seed,
+    return build_kwargs(model, dtype, max_model_len, params.seed,
                         tensor_parallel_size=t.tensor_parallel_size, data_parallel_size=t.data_parallel_size,
                         enable_expert_parallel=t.enable_expert_parallel,
                         gpu_memory_utilization=t.gpu_memory_utilization,
@@ -129,13 +129,13 @@ def engine_kwargs(P: Params, stage: str, model: str | Path, max_model_len: int,
 MODEL_RUNNER_ENV = {"v1": "0", "v2": "1"}
 
 
-def engine_env(P: Params, stage: str) -> dict:
+def engine_env(params: Params, stage: str) -> dict:
     """Environment variables the vLLM subprocess of `stage` must start with (on top of its own),
     next to engine_kwargs: for "extract", VLLM_USE_V2_MODEL_RUNNER from extract.model_runner
     (nothing for auto: vLLM's own choice). Other stages keep vLLM's default runner."""
     if stage not in STAGES:
         raise ValueError(f"engine_env: unknown stage {stage!r} (known: {', '.join(STAGES)})")
-    runner = P.extract.model_runner if stage == "extract" else "auto"
+    runner = params.extract.model_runner if stage == "extract" else "auto"
     if runner not in ("auto", *MODEL_RUNNER_ENV):
         raise ParamsError(f"extract.model_runner: {runner!r}; expected auto, v1 or v2")
     return {} if runner == "auto" else {"VLLM_USE_V2_MODEL_RUNNER": MODEL_RUNNER_ENV[runner]}

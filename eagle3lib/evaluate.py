@@ -2,21 +2,21 @@
 
 The notebooks (01_ngram_baseline, 05_eval) call these functions and only show the results:
 
-    prompts = eval_prompts(P, run_dir, tokenizer)                  # held-out, chat template applied
+    prompts = eval_prompts(params, run_dir, tokenizer)             # held-out, chat template applied
     per_prompt = run_decoder_eval(target, prompts, methods, ...)   # eagle3lib: one row per (method, prompt)
     summary = summarize(per_prompt)                                # one row per method, speedup vs plain
-    vllm_summary, raw = run_vllm_eval(P, target_dir, prompts, modes, workdir)
-    check_lossless(per_prompt, P)                                  # fp32, T=0: assert, naming a failing prompt
-    check_vllm_same_output(raw, prompts, P); check_acceptance_agrees(per_prompt, raw, prompts, P)
+    vllm_summary, raw = run_vllm_eval(params, target_dir, prompts, modes, workdir)
+    check_lossless(per_prompt, params)                             # fp32, T=0: assert, naming a failing prompt
+    check_vllm_same_output(raw, prompts, params); check_acceptance_agrees(per_prompt, raw, prompts, params)
     section = eval_metrics(summary, vllm_summary, setup, ...)     # the metrics.json section
 
 Breadth (05_eval, vLLM only): more request groups, one per (domain, temperature), decoded by the
 same engine of each mode after the main prompts (no extra engine start):
 
-    groups = breadth_groups(P, setup)                   # chat and eval.domains x eval.sample_temperatures ...
-    vllm_summary, raw = run_vllm_eval(P, target_dir, prompts, modes, workdir, groups=groups)
-    table = breadth_summary(raw, groups, P)             # one row per (domain, temperature, method)
-    check_breadth_same_output(raw, groups, P)           # T=0 groups only, fp32
+    groups = breadth_groups(params, setup)              # chat and eval.domains x eval.sample_temperatures ...
+    vllm_summary, raw = run_vllm_eval(params, target_dir, prompts, modes, workdir, groups=groups)
+    table = breadth_summary(raw, groups, params)        # one row per (domain, temperature, method)
+    check_breadth_same_output(raw, groups, params)      # T=0 groups only, fp32
 
 The verdict sentences and plots are in `verdict.py`.
 
@@ -48,22 +48,22 @@ from .params import host_memory_bytes
 from .progress import tqdm
 from .target import checkpoint_weight_bytes, eos_ids, load_target, load_tokenizer, target_path
 from .verdict import PLAIN, best_method, breadth_verdict, eagle3_verdict, ngram_verdict, row_of
-from .vllm_bench import mode, run_vllm
+from .vllm_bench import BenchSpec, GroupSpec, ModeSpec, mode, run_vllm
 
 # ---------------------------------------------------------------------------------------------
 # Prompts
 # ---------------------------------------------------------------------------------------------
 
 
-def eval_prompts(P, run_dir, tokenizer, limit: Optional[int] = None) -> tuple:
+def eval_prompts(params, run_dir, tokenizer, limit: Optional[int] = None) -> tuple:
     """Held-out prompts as ([{"id", "category", "input_ids"}], skipped): the first `limit`
     (default eval.num_prompts) of those with at most eval.max_prompt_tokens tokens, rendered in
     data.thinking's mode (as regeneration rendered the training prompts); `skipped` counts the
     longer ones passed over."""
-    limit = limit if limit is not None else P.eval.num_prompts
-    cap = P.eval.max_prompt_tokens
-    records = ((r["id"], r.get("category") or "all", r["messages"]) for r in load_eval_prompts(P, run_dir))
-    prompts, skipped = render_capped(records, tokenizer, limit, cap, P.data.thinking)
+    limit = limit if limit is not None else params.eval.num_prompts
+    cap = params.eval.max_prompt_tokens
+    records = ((r["id"], r.get("category") or "all", r["messages"]) for r in load_eval_prompts(params, run_dir))
+    prompts, skipped = render_capped(records, tokenizer, limit, cap, params.data.thinking)
     if not prompts:
         raise ValueError(f"no held-out evaluation prompt left ({skipped} longer than eval.max_prompt_tokens="
                          f"{cap}): check the data stage / eval.prompts_path / eval.max_prompt_tokens")
@@ -83,16 +83,16 @@ class EvalSetup:
     reference_skip: Optional[str] = None   # why eagle3lib's reference decoder does not run (None: it runs)
 
 
-def load_eval_setup(P, run_dir, limit: Optional[int] = None) -> EvalSetup:
+def load_eval_setup(params, run_dir, limit: Optional[int] = None) -> EvalSetup:
     """Target (eval.dtype), tokenizer and the held-out prompts (first eval.num_prompts). The target
     is loaded only when the reference decoder runs (reference_decoder_skip)."""
     check_run_links(run_dir)       # no write or delete may go through a link out of the run
-    tdir = target_path(P)
-    tok = load_tokenizer(tdir, P.target.trust_remote_code)
-    skip = reference_decoder_skip(P, tdir)
-    target = None if skip else load_target(tdir, P.eval.dtype, trust_remote_code=P.target.trust_remote_code)
-    prompts, skipped = eval_prompts(P, run_dir, tok, limit)
-    decoder_prompts = [] if skip else decoder_subset(P, prompts)
+    tdir = target_path(params)
+    tok = load_tokenizer(tdir, params.target.trust_remote_code)
+    skip = reference_decoder_skip(params, tdir)
+    target = None if skip else load_target(tdir, params.eval.dtype, trust_remote_code=params.target.trust_remote_code)
+    prompts, skipped = eval_prompts(params, run_dir, tok, limit)
+    decoder_prompts = [] if skip else decoder_subset(params, prompts)
     return EvalSetup(tdir, target, tok, prompts, decoder_prompts, skipped, eos_ids(tdir), skip)
 
 
@@ -121,10 +121,10 @@ def skip_reason(mode: str, weight_bytes: Optional[int], device_bytes: Optional[i
             "always to try anyway")
 
 
-def reference_decoder_skip(P, target_dir) -> Optional[str]:
-    """Why eagle3lib's reference decoder does not run for profile P (None: it runs)."""
-    if P.eval.reference_decoder != "auto":
-        return skip_reason(P.eval.reference_decoder, None, None)
+def reference_decoder_skip(params, target_dir) -> Optional[str]:
+    """Why eagle3lib's reference decoder does not run for profile `params` (None: it runs)."""
+    if params.eval.reference_decoder != "auto":
+        return skip_reason(params.eval.reference_decoder, None, None)
     return skip_reason("auto", checkpoint_weight_bytes(target_dir), host_memory_bytes())
 
 
@@ -135,17 +135,17 @@ def empty_summary() -> pd.DataFrame:
                                  "per_position_acceptance", "draft_share", "lossless", "speedup"])
 
 
-def decoder_subset(P, prompts: list) -> list:
+def decoder_subset(params, prompts: list) -> list:
     """The prompts eagle3lib's reference decoder runs: the first eval.decoder_prompts (None: all)."""
-    return prompts[:P.eval.decoder_prompts]
+    return prompts[:params.eval.decoder_prompts]
 
 
-def ngram_sweep(P) -> list:
+def ngram_sweep(params) -> list:
     """(k, min_n, max_n) settings of the n-gram baseline: every k of eval.ngram_k with the profile's
     lookup lengths, plus a shorter maximum lookup (2) to show its effect."""
-    lo, hi = P.eval.prompt_lookup_min, P.eval.prompt_lookup_max
+    lo, hi = params.eval.prompt_lookup_min, params.eval.prompt_lookup_max
     ranges = sorted({(min(lo, 2), 2), (lo, hi)}, key=lambda r: (r[1], r[0]))
-    return [(k, a, b) for k in P.eval.ngram_k for a, b in ranges]
+    return [(k, a, b) for k in params.eval.ngram_k for a, b in ranges]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,7 +283,7 @@ def per_position_table(summary):
 
 
 def vllm_modes(ngram: Sequence[tuple] = (), eagle3_dir=None, k: Optional[int] = None,
-               suffix_k: Optional[int] = None) -> list:
+               suffix_k: Optional[int] = None) -> list[ModeSpec]:
     """vllm_bench modes: plain, each (k, min_n, max_n) n-gram setting, suffix decoding with up to
     suffix_k tokens if given, and eagle3 if a folder is given."""
     modes = [mode("plain")]
@@ -296,23 +296,22 @@ def vllm_modes(ngram: Sequence[tuple] = (), eagle3_dir=None, k: Optional[int] = 
     return modes
 
 
-def run_vllm_eval(P, target_dir, prompts: list, modes: list, workdir, max_new_tokens: Optional[int] = None,
-                  timeout: Optional[float] = None, groups: Sequence[dict] = ()):
+def run_vllm_eval(params, target_dir, prompts: list, modes: list[ModeSpec], workdir,
+                  max_new_tokens: Optional[int] = None, timeout: Optional[float] = None, groups: Sequence[dict] = ()):
     """Run the modes in ONE vLLM subprocess. Returns (summary DataFrame, raw result dict).
     Uses the first eval.vllm_prompts prompts (None: all), dtype eval.vllm_dtype, T = eval.temperature.
     `groups` (breadth_groups): decoded by each mode's engine after these prompts; the summary holds
     the main prompts only (breadth_summary reads the groups)."""
-    n = P.eval.vllm_prompts or len(prompts)
-    new_tokens = max_new_tokens or P.eval.max_new_tokens
+    n = params.eval.vllm_prompts or len(prompts)
+    new_tokens = max_new_tokens or params.eval.max_new_tokens
     longest = max(len(p["input_ids"]) for p in prompts[:n]) + new_tokens     # each mode adds its drafts
-    spec = {"target": str(target_dir), "dtype": P.eval.vllm_dtype,
-            "prompts": [p["input_ids"] for p in prompts[:n]], "max_new_tokens": new_tokens,
-            "temperature": P.eval.temperature, "seed": P.seed, "modes": modes,
-            # parallelism, memory, batch budget, trust_remote_code: the same settings as every vLLM pass
-            "engine": engine_kwargs(P, "eval", target_dir, longest, dtype=P.eval.vllm_dtype)}
-    if groups:
-        spec["groups"] = [{"name": g["name"], "prompts": [p["input_ids"] for p in g["prompts"]],
-                           "temperature": g["temperature"]} for g in groups]
+    spec = BenchSpec(target=str(target_dir), dtype=params.eval.vllm_dtype,
+                     prompts=[p["input_ids"] for p in prompts[:n]], max_new_tokens=new_tokens,
+                     temperature=params.eval.temperature, seed=params.seed, modes=list(modes),
+                     groups=[GroupSpec(name=g["name"], prompts=[p["input_ids"] for p in g["prompts"]],
+                                       temperature=g["temperature"]) for g in groups],
+                     # parallelism, memory, batch budget, trust_remote_code: the same settings as every vLLM pass
+                     engine=engine_kwargs(params, "eval", target_dir, longest, dtype=params.eval.vllm_dtype))
     raw = run_vllm(spec, workdir=workdir, timeout=timeout)
     rows = []
     plain = next((m for m in raw["modes"] if m["method"] == PLAIN), None)
@@ -340,18 +339,18 @@ def group_name(domain: str, temperature: float) -> str:
     return f"{domain}@T{temperature:g}"
 
 
-def breadth_groups(P, setup: "EvalSetup") -> list:
+def breadth_groups(params, setup: "EvalSetup") -> list:
     """The breadth request groups: every (domain, temperature) of [chat] + eval.domains x
     [eval.temperature] + eval.sample_temperatures except (chat, eval.temperature), which is the main
     run. Each: {"name", "domain", "temperature", "prompts" (the first eval.breadth_prompts of the
     domain, over-long ones skipped), "skipped"}. Empty when neither list is set."""
-    e = P.eval
+    e = params.eval
     if not e.sample_temperatures and not e.domains:
         return []
     sources = {CHAT: (setup.prompts[:e.breadth_prompts], setup.skipped_prompts)}
     for domain in e.domains:
         sources[domain] = domain_prompts(domain, setup.tokenizer, e.breadth_prompts, e.max_prompt_tokens,
-                                         thinking=P.data.thinking)
+                                         thinking=params.data.thinking)
     groups = []
     for domain, (prompts, skipped) in sources.items():
         for t in [e.temperature] + list(e.sample_temperatures):
@@ -372,12 +371,12 @@ def _measured_row(domain: str, temperature: float, mode: dict, measured: dict) -
             "seeded_repeat_equal": measured.get("seeded_repeat_equal")}
 
 
-def breadth_summary(vllm_raw: dict, groups: Sequence[dict], P) -> pd.DataFrame:
+def breadth_summary(vllm_raw: dict, groups: Sequence[dict], params) -> pd.DataFrame:
     """One row per (domain, temperature, method): the main run (chat at eval.temperature) and every
     breadth group; speedup = decode tokens/s over plain's in the SAME group."""
     rows = []
     for m in vllm_raw["modes"]:
-        rows.append(_measured_row(CHAT, float(P.eval.temperature), m, m))
+        rows.append(_measured_row(CHAT, float(params.eval.temperature), m, m))
         by_name = {g["name"]: g for g in m.get("groups", [])}
         for g in groups:
             if g["name"] not in by_name:
@@ -402,10 +401,10 @@ def breadth_table(summary: pd.DataFrame) -> pd.DataFrame:
     return summary[list(BREADTH_COLUMNS)].rename(columns=BREADTH_COLUMNS)
 
 
-def check_breadth_same_output(vllm_raw: dict, groups: Sequence[dict], P) -> str:
+def check_breadth_same_output(vllm_raw: dict, groups: Sequence[dict], params) -> str:
     """check_vllm_same_output on every T=0 breadth group (asserted in float32 like the main rows;
     sampled groups are not compared: their tokens need not equal plain's)."""
-    greedy = dataclasses.replace(P, eval=dataclasses.replace(P.eval, temperature=0.0))
+    greedy = dataclasses.replace(params, eval=dataclasses.replace(params.eval, temperature=0.0))
     report = []
     for g in groups:
         if g["temperature"] > 0:
@@ -453,24 +452,24 @@ def breadth_metrics(summary: pd.DataFrame, groups: Sequence[dict], max_new_token
 # bf16 (rounding can flip near-tie tokens) or at T > 0 (sampling) they are not asserted and say why.
 
 
-def exactness_waiver(P, backend: str) -> Optional[str]:
+def exactness_waiver(params, backend: str) -> Optional[str]:
     """None when `backend` ("eagle3lib" or "vLLM") must reproduce plain greedy decoding exactly
     (its dtype is float32 and eval.temperature is 0); else the reason it need not."""
     key = "eval.dtype" if backend == "eagle3lib" else "eval.vllm_dtype"
-    dtype = P.eval.dtype if backend == "eagle3lib" else P.eval.vllm_dtype
-    if P.eval.temperature > 0:
-        return f"eval.temperature={P.eval.temperature} > 0 (sampled tokens need not equal greedy ones)"
+    dtype = params.eval.dtype if backend == "eagle3lib" else params.eval.vllm_dtype
+    if params.eval.temperature > 0:
+        return f"eval.temperature={params.eval.temperature} > 0 (sampled tokens need not equal greedy ones)"
     if dtype != "float32":
         return f"{key}={dtype} (rounding can flip near-tie tokens; exact only in float32)"
     return None
 
 
-def check_lossless(per_prompt, P) -> str:
+def check_lossless(per_prompt, params) -> str:
     """eagle3lib: every speculative method's tokens equal plain greedy decoding's on every prompt.
     Raises AssertionError naming each failing (method, prompt); returns a one-line report."""
     spec = per_prompt[per_prompt["method"] != PLAIN]
     counts = ", ".join(f"{m} {int(g['lossless'].sum())}/{len(g)}" for m, g in spec.groupby("method", sort=False))
-    waiver = exactness_waiver(P, "eagle3lib")
+    waiver = exactness_waiver(params, "eagle3lib")
     if waiver:
         return f"eagle3lib lossless (not asserted: {waiver}): {counts}"
     bad = spec[~spec["lossless"].astype(bool)]
@@ -482,7 +481,7 @@ def check_lossless(per_prompt, P) -> str:
     return f"eagle3lib lossless, every prompt equals plain greedy decoding: {counts}"
 
 
-def check_vllm_same_output(vllm_raw: dict, prompts: list, P) -> str:
+def check_vllm_same_output(vllm_raw: dict, prompts: list, params) -> str:
     """vLLM: every speculative mode's output equals vLLM plain's on every prompt (`prompts`: the
     list given to run_vllm_eval). Raises AssertionError naming the mode, prompt and first differing
     token; returns a one-line report."""
@@ -498,7 +497,7 @@ def check_vllm_same_output(vllm_raw: dict, prompts: list, P) -> str:
                 first = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
                 bad.append(f"{m['name']} on prompt {prompt['id']!r} (first difference at new token {first})")
         counts.append(f"{m['name']} {same}/{len(m['outputs'])}")
-    waiver = exactness_waiver(P, "vLLM")
+    waiver = exactness_waiver(params, "vLLM")
     if waiver:
         return f"vLLM same output as plain (not asserted: {waiver}): {', '.join(counts)}"
     if bad:
@@ -508,14 +507,14 @@ def check_vllm_same_output(vllm_raw: dict, prompts: list, P) -> str:
     return f"vLLM same output as plain on every prompt: {', '.join(counts)}"
 
 
-def check_acceptance_agrees(per_prompt, vllm_raw: dict, prompts: list, P) -> str:
+def check_acceptance_agrees(per_prompt, vllm_raw: dict, prompts: list, params) -> str:
     """For each method run by both backends: drafts, accepted tokens and accepted-per-position
     counts of eagle3lib equal vLLM's, prompt by prompt, on the prompts both ran (both run a prefix
     of `prompts`, the list given to run_vllm_eval). Tolerance: none. Same weights, same token ids,
     float32, T=0 and identical outputs give identical drafts (the ci vLLM test and the local
     evals in NOTES.md measured identical counts, e.g. 27 accepted / 36 rounds in both). Raises
     AssertionError naming the method and prompt; returns a one-line report."""
-    waiver = exactness_waiver(P, "eagle3lib") or exactness_waiver(P, "vLLM")
+    waiver = exactness_waiver(params, "eagle3lib") or exactness_waiver(params, "vLLM")
     if waiver:
         return f"eagle3lib/vLLM acceptance comparison not asserted: {waiver}"
     report = []

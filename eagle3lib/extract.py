@@ -2,7 +2,7 @@
 token, what the drafter trains on -- the inputs of three auxiliary decoder layers and the final
 (post-norm) state -- in the cache that cache.py defines and reads.
 
-    summary = extract_hidden_states(P, P.layout(), "train")   # writes layout.hidden("train")
+    summary = extract_hidden_states(params, params.layout(), "train")  # writes layout.hidden("train")
 
 Layer id k is the hidden state entering decoder layer k (`output_hidden_states[k]`, 0 = the
 embedding output). A backend turns one forward batch of token rows into aux [n, 3, H] and final
@@ -325,10 +325,10 @@ def _check_causal_lm(path: Path, trust_remote_code: bool):
     return cfg
 
 
-def _device(P: Params, dist: Dist) -> torch.device:
-    if P.extract.device == "cuda" and not torch.cuda.is_available():
+def _device(params: Params, dist: Dist) -> torch.device:
+    if params.extract.device == "cuda" and not torch.cuda.is_available():
         raise CacheError("extract.device: cuda requested but torch sees no GPU; set extract.device to cpu or auto")
-    return dist.device(P.extract.device)
+    return dist.device(params.extract.device)
 
 
 def _device_map(path: Path, device: torch.device, world: int) -> Optional[str]:
@@ -339,46 +339,47 @@ def _device_map(path: Path, device: torch.device, world: int) -> Optional[str]:
     return "auto" if size > 0.8 * torch.cuda.get_device_properties(0).total_memory else None
 
 
-def _target_identity(P: Params, model) -> tuple:
+def _target_identity(params: Params, model) -> tuple:
     """(target folder, dtype it runs in), known before any weight is loaded."""
     if model is not None:
         return Path(getattr(model, "name_or_path", "") or "<in-memory model>"), str(model.dtype).replace("torch.", "")
-    path = target_path(P)
-    if P.extract.backend == "hf":      # vLLM checks the architecture against its own registry
-        _check_causal_lm(path, P.target.trust_remote_code)
-    return path, P.target.dtype
+    path = target_path(params)
+    if params.extract.backend == "hf":  # vLLM checks the architecture against its own registry
+        _check_causal_lm(path, params.target.trust_remote_code)
+    return path, params.target.dtype
 
 
-def open_hf_backend(P: Params, path: Path, dist: Dist, model=None) -> HFBackend:
+def open_hf_backend(params: Params, path: Path, dist: Dist, model=None) -> HFBackend:
     """Load the target (unless `model` is given) on this rank's device and hook its aux layers."""
     if model is None:
-        device = _device(P, dist)
-        model = load_target(path, P.target.dtype, device=str(device), trust_remote_code=P.target.trust_remote_code,
+        device = _device(params, dist)
+        model = load_target(path, params.target.dtype, device=str(device),
+                            trust_remote_code=params.target.trust_remote_code,
                             device_map=_device_map(path, device, dist.world))
     try:
-        aux_layers = P.aux_layer_ids()
+        aux_layers = params.aux_layer_ids()
     except (KeyError, ParamsError) as e:
         raise CacheError(f"cannot determine extract.aux_layers for {path}: {e}; set them in the params") from e
     return HFBackend(model, aux_layers)
 
 
-# extract.backend -> opener(P, target path, dist, model or None) -> Backend, called only when some
+# extract.backend -> opener(params, target path, dist, model or None) -> Backend, called only when some
 # shard is left to compute.
 BACKENDS = {"hf": open_hf_backend, "vllm": open_vllm_backend}
 
 
 # ---- the stage ------------------------------------------------------------------------------
-def extract_hidden_states(P: Params, run, split: str = "train", model=None, progress: bool = True,
+def extract_hidden_states(params: Params, run, split: str = "train", model=None, progress: bool = True,
                           dataset: Optional[Dataset] = None) -> dict:
     """Write the cache `layout.hidden(split)` (see cache.py); returns a summary dict.
 
     run: the run's RunLayout (or its folder, outputs/<run>).
-    model: an already loaded AutoModelForCausalLM (default: load target_path(P) in P.target.dtype).
+    model: an already loaded AutoModelForCausalLM (default: load target_path(params) in params.target.dtype).
     dataset: a processed `datasets.Dataset` (default: the data stage's `layout.data_split(split)`).
     Under torchrun (WORLD_SIZE > 1) every rank calls this; rank r writes shards r, r+W, ...
     """
-    if P.extract.backend not in BACKENDS:
-        raise NotImplementedError(f"extract.backend={P.extract.backend!r} is not implemented; use one of "
+    if params.extract.backend not in BACKENDS:
+        raise NotImplementedError(f"extract.backend={params.extract.backend!r} is not implemented; use one of "
                                   f"{', '.join(BACKENDS)}")
     layout = run if isinstance(run, RunLayout) else RunLayout(run)
     check_run_links(layout.root)   # no write or delete may go through a link out of the run
@@ -388,36 +389,44 @@ def extract_hidden_states(P: Params, run, split: str = "train", model=None, prog
     if sum(scan.lengths) == 0:
         raise CacheError(f"the processed {split!r} split has no tokens ({scan.num_rows} rows): nothing to "
                          "extract. Run the data stage (02_data) first or check data.num_train / data.num_eval.")
-    plans = plan_shards(scan.lengths, P.extract.shard_tokens, P.extract.batch_tokens)
+    plans = plan_shards(scan.lengths, params.extract.shard_tokens, params.extract.batch_tokens)
 
-    dist = Dist(backend="gloo", timeout_minutes=P.train.pg_timeout_minutes)   # only barriers; ranks wait
+    dist = Dist(backend="gloo", timeout_minutes=params.train.pg_timeout_minutes)  # only barriers; ranks wait
                                                                                # there for the slowest
     try:
-        path, target_dtype = _target_identity(P, model)
-        ident = identity(P, split, scan.fingerprint, target_dtype)
+        path, target_dtype = _target_identity(params, model)
+        ident = identity(params, split, scan.fingerprint, target_dtype)
         mine, done, todo = _resume(out_dir, ident, plans, dist)
         header, elapsed = None, 0.0
         if todo:
-            backend = BACKENDS[P.extract.backend](P, path, dist, model)
+            backend = BACKENDS[params.extract.backend](params, path, dist, model)
             try:
-                header = _header(ident, backend, path, P.extract.dtype, scan, split)
+                header = _header(ident, backend, path, params.extract.dtype, scan, split)
                 start = time.perf_counter()
                 _compute_shards(backend, todo, ds, header, done, len(plans), out_dir, dist, progress)
                 elapsed = time.perf_counter() - start     # forwards + writes, not the model load
-                if split == "eval" and dist.rank == 0 and fidelity_plan(P)[0] == "vllm" and hasattr(backend, "top2"):
+                if (split == "eval" and dist.rank == 0 and fidelity_plan(params)[0] == "vllm"
+                        and hasattr(backend, "top2")):
                     save_top2_reference(out_dir, backend, fidelity_rows(ds))     # same engine start
             finally:
                 backend.close()
         manifest = _merge(out_dir, header, done, plans, dist)
         # The cache's one verification (train.verify_cache), split over the writers: it records
         # verified.json, so 04 and any rerun of this stage read no shard again while it holds.
-        verify_cache(HiddenCache(out_dir), P.train.verify_cache, P.train.verify_sample, P.seed, dist)
+        verify_cache(HiddenCache(out_dir), params.train.verify_cache, params.train.verify_sample, params.seed, dist)
     finally:
         dist.close()
     summary = _summary(split, out_dir, plans, mine, todo, scan, manifest, elapsed, dist)
     if dist.rank == 0:
         record_extract_metrics(layout, summary)
+        update_metrics(layout.root, "extract", {"mode": params.extract.mode})
     return summary
+
+
+def cached_splits(params: Params) -> tuple:
+    """The splits 03 caches: both offline; with extract.mode online only the held-out one (04 asks the
+    vLLM server for the train split's states as it trains: online.py)."""
+    return ("eval",) if params.extract.mode == "online" else ("train", "eval")
 
 
 def record_extract_metrics(layout: RunLayout, summary: dict) -> dict:
@@ -588,19 +597,19 @@ MIN_ARGMAX_AGREEMENT = 0.95               # near-ties flip between bf16 and fp32
 MIN_DECISIVE_AGREEMENT = 0.99             # clear decisions must not
 
 
-def fidelity_plan(P: Params) -> tuple:
+def fidelity_plan(params: Params) -> tuple:
     """(mode, None) with mode "hf" | "vllm", or (None, why the check is skipped).
     auto: hf when the target's safetensors fit this machine's memory, else vllm when the
     extraction runs in vLLM, else skipped."""
-    mode = P.extract.fidelity
+    mode = params.extract.fidelity
     if mode == "never":
         return None, "extract.fidelity is 'never' (the profile turns 03's fidelity check off; see its comment)"
     if mode in ("hf", "vllm"):
         return mode, None
-    weights, memory = checkpoint_weight_bytes(target_path(P)), host_memory_bytes()
+    weights, memory = checkpoint_weight_bytes(target_path(params)), host_memory_bytes()
     if weights is None or memory is None or weights <= memory:
         return "hf", None
-    if P.extract.backend == "vllm":
+    if params.extract.backend == "vllm":
         return "vllm", None
     return None, (f"the target's weights ({weights / 1e9:,.1f} GB of safetensors) exceed this machine's memory "
                   f"({memory / 1e9:,.1f} GB): the hf check loads the whole target in transformers. Set "
@@ -629,7 +638,7 @@ def save_top2_reference(out_dir: Path, backend, rows: list) -> None:
     atomic_write_bytes(Path(out_dir) / FIDELITY_REFERENCE, save_safetensors(tensors))
 
 
-def load_top2_reference(P: Params, cache: HiddenCache) -> list:
+def load_top2_reference(params: Params, cache: HiddenCache) -> list:
     """[(top2 ids [T, 2], top2 logprobs [T, 2])] for cache items 0.. of the eval cache: the file the
     extraction saved, or (cache extracted earlier without it, or from other tokens) a vLLM engine
     started here for it."""
@@ -640,13 +649,13 @@ def load_top2_reference(P: Params, cache: HiddenCache) -> list:
         if [saved.get(f"input_ids.{i}", torch.empty(0)).tolist() for i in range(len(rows))] == rows:
             return [(saved[f"top2_ids.{i}"], saved[f"top2_logprobs.{i}"]) for i in range(len(rows))]
     dist = Dist(backend="gloo")
-    backend = open_vllm_backend(P, target_path(P), dist)
+    backend = open_vllm_backend(params, target_path(params), dist)
     try:
         save_top2_reference(cache.path, backend, rows)
     finally:
         backend.close()
         dist.close()
-    return load_top2_reference(P, cache)
+    return load_top2_reference(params, cache)
 
 
 def top2_fidelity(cache: HiddenCache, lm_head: torch.Tensor, reference: list,
@@ -675,23 +684,23 @@ def top2_fidelity(cache: HiddenCache, lm_head: torch.Tensor, reference: list,
             "top1_logprob_abs_error": logprob_error / max(total, 1)}
 
 
-def check_fidelity(P: Params, run, cache: HiddenCache) -> dict:
+def check_fidelity(params: Params, run, cache: HiddenCache) -> dict:
     """03's fidelity check of the eval `cache` as extract.fidelity chooses (fidelity_plan); the
     result, or the skip and its reason, is merged into metrics.json's "extract" section and
     returned. Raises CacheError when the cached states do not give the target's own choices."""
     layout = run if isinstance(run, RunLayout) else RunLayout(run)
-    mode, skip = fidelity_plan(P)
+    mode, skip = fidelity_plan(params)
     metrics = {"fidelity": mode or "skipped", "fidelity_skip_reason": skip}
     if mode == "hf":
-        model, dtype = load_reference(P)
+        model, dtype = load_reference(params)
         result = fidelity_check(cache, model, range(min(FIDELITY_SEQUENCES, len(cache))), DECISIVE_MARGIN)
         del model
         metrics.update(fidelity_reference=f"a fresh transformers {dtype} forward",
                        final_relative_error=round(result["relative_error"]["final (normed)"], 5))
     elif mode == "vllm":
-        lm_head = load_target_tensors(target_path(P), ("lm_head",))["lm_head"]       # [V, H]
-        result = top2_fidelity(cache, lm_head, load_top2_reference(P, cache))
-        metrics.update(fidelity_reference=f"the vLLM engine's prompt logprobs ({P.target.dtype})",
+        lm_head = load_target_tensors(target_path(params), ("lm_head",))["lm_head"]  # [V, H]
+        result = top2_fidelity(cache, lm_head, load_top2_reference(params, cache))
+        metrics.update(fidelity_reference=f"the vLLM engine's prompt logprobs ({params.target.dtype})",
                        top1_logprob_abs_error=round(result["top1_logprob_abs_error"], 5))
     if mode is not None:
         metrics.update(checked_tokens=result["tokens"], decisive_tokens=result["decisive_tokens"],
@@ -715,17 +724,17 @@ def _require_fidelity(result: dict, metrics: dict) -> None:
                          f"{metrics}): the cache does not match the target; delete hidden/ and rerun 03")
 
 
-def load_reference(P: Params, max_fp32_bytes: float = 8e9):
+def load_reference(params: Params, max_fp32_bytes: float = 8e9):
     """(model, dtype name) for `fidelity_check`: the target in fp32 when its fp32 weights stay under
     `max_fp32_bytes`, else in target.dtype (a big target: device_map="auto" over the GPUs)."""
-    path = target_path(P)
+    path = target_path(params)
     stored = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
-    bytes_per_value = {"float32": 4}.get(P.target.dtype, 2)
+    bytes_per_value = {"float32": 4}.get(params.target.dtype, 2)
     if stored * 4 / bytes_per_value <= max_fp32_bytes:
-        return load_target(path, "float32", trust_remote_code=P.target.trust_remote_code), "float32"
+        return load_target(path, "float32", trust_remote_code=params.target.trust_remote_code), "float32"
     cuda = torch.cuda.is_available()
-    return load_target(path, P.target.dtype, trust_remote_code=P.target.trust_remote_code,
-                       device_map="auto" if cuda else None), P.target.dtype
+    return load_target(path, params.target.dtype, trust_remote_code=params.target.trust_remote_code,
+                       device_map="auto" if cuda else None), params.target.dtype
 
 
 def state_names(aux_layers) -> list:

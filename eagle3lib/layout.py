@@ -1,7 +1,8 @@
 """The run folder: every path under outputs/<run>/ is named here and nowhere else.
 
-    L = RunLayout(run_dir)                 # or P.layout(run_name)
-    L.stats, L.vocab, L.hidden("train"), L.checkpoints, L.final, L.metrics, L.notebook("04_train")
+    layout = RunLayout(run_dir)            # or params.layout(run_name)
+    layout.stats, layout.vocab, layout.hidden("train"), layout.checkpoints, layout.final, layout.metrics,
+    layout.notebook("04_train")
 
 outputs/<run>/
     data/            train/ eval/ (datasets.save_to_disk), eval_prompts.jsonl, vocab.safetensors,
@@ -63,6 +64,11 @@ class RunLayout:
     def hidden(self, split: str) -> Path:
         return self.hidden_root / split
 
+    @property
+    def online(self) -> Path:
+        """The online hidden-state server's folder: its log and the files in flight (online.py)."""
+        return self.hidden_root / "online"
+
     # ---- training stage (04) ----
     @property
     def train(self) -> Path:
@@ -121,3 +127,8 @@ class RunLayout:
     @property
     def index_md(self) -> Path:
         return self.root / "index.md"
+
+    @property
+    def index_png(self) -> Path:
+        """The index page as headless Chromium renders it (page_check.py)."""
+        return self.root / "index.png"

@@ -1,8 +1,8 @@
 """Per-GPU memory of one training step, for any profile, before anything runs.
 
-    est = estimate(P, seq_len=4096)          # MemoryEstimate: items (bytes, measured or assumed), peak
+    est = estimate(params, seq_len=4096)     # MemoryEstimate: items (bytes, measured or assumed), peak
     print(format_estimate(est))
-    check_fits(P)                            # ParamsError naming the parameter when it cannot fit
+    check_fits(params)                       # ParamsError naming the parameter when it cannot fit
     python -m eagle3lib.memory --params params/b300.yaml --seq 2048 4096
 
 Two kinds of figure, each marked:
@@ -112,42 +112,43 @@ STEP_ITEMS = (SAVED_DRAFTER, SAVED_LOSS)   # parts of step_peak, listed for info
 
 
 # ==== the drafter the profile trains, on the meta device =======================================
-def training_device(P: Params) -> str:
+def training_device(params: Params) -> str:
     """The device a profile trains on, as the capacity plan reads it: cuda when it asks for CUDA."""
-    return "cuda" if P.extract.device == "cuda" else "cpu"
+    return "cuda" if params.extract.device == "cuda" else "cpu"
 
 
-def drafter_config(P: Params) -> Eagle3Config:
+def drafter_config(params: Params) -> Eagle3Config:
     """The drafter's config from the profile's target shape (no checkpoint needed)."""
-    shape = P.target_shape()
+    shape = params.target_shape()
     if shape is None:
         raise ParamsError("target.shape: the memory model needs the target's shape; set target.shape")
-    t = P.train
+    train_params = params.train
     return Eagle3Config.from_target_config(
-        shape, P.data.draft_vocab_size, P.aux_layer_ids(), norm_before_residual=t.norm_before_residual,
-        norm_before_fc=t.norm_before_fc, next_step_hidden=t.next_step_hidden)
+        shape, params.data.draft_vocab_size, params.aux_layer_ids(),
+        norm_before_residual=train_params.norm_before_residual, norm_before_fc=train_params.norm_before_fc,
+        next_step_hidden=train_params.next_step_hidden)
 
 
-def meta_objective(P: Params, dtype: torch.dtype) -> TTTObjective:
+def meta_objective(params: Params, dtype: torch.dtype) -> TTTObjective:
     """The profile's drafter + TTT loss on the meta device, parameters in the compute dtype (what
     FSDP2's MixedPrecisionPolicy(param_dtype) gathers); buffers keep their dtypes."""
     with torch.device("meta"):
-        drafter = Eagle3Drafter(drafter_config(P))
+        drafter = Eagle3Drafter(drafter_config(params))
     for p in drafter.parameters():
         p.data = p.data.to(dtype)
-    if P.train.freeze_lm_head:
+    if params.train.freeze_lm_head:
         drafter.lm_head.weight.requires_grad_(False)
     # what the trainer selects for that device: train.attention, train.activation_checkpointing
-    drafter.configure_training(P.train.attention, P.train.activation_checkpointing, training_device(P))
-    return TTTObjective(drafter, P.train.ttt_steps, P.train.decay)
+    drafter.configure_training(params.train.attention, params.train.activation_checkpointing, training_device(params))
+    return TTTObjective(drafter, params.train.ttt_steps, params.train.decay)
 
 
-def meta_batch(P: Params, config: Eagle3Config, sequences: int, seq_len: int, device="meta") -> dict:
+def meta_batch(params: Params, config: Eagle3Config, sequences: int, seq_len: int, device="meta") -> dict:
     """A prepared batch (objective.prepare_batch's keys) of `sequences` x `seq_len` tokens where every
     position but the last of each sequence has a soft label. aux is fp32 when train.fc_input_scaling
     divides it on the way in (prepare_batch), else the cache dtype."""
     B, T, H, Dv = sequences, seq_len, config.hidden_size, config.draft_vocab_size
-    aux_dtype = torch.float32 if P.train.fc_input_scaling else getattr(torch, P.extract.dtype)
+    aux_dtype = torch.float32 if params.train.fc_input_scaling else getattr(torch, params.extract.dtype)
     tgt_b = torch.arange(B, device=device).repeat_interleave(T - 1)                        # [N]
     tgt_u = torch.arange(T - 1, device=device).repeat(B)                                   # [N]
     N = B * (T - 1)
@@ -292,11 +293,11 @@ def run_step(objective: TTTObjective, batch: dict, device: str) -> tuple[dict, i
     {"drafter", "loss"}, live peak of the bytes the step created). Parameter gradients are
     dropped as soon as they are accumulated (FSDP2 reduce-scatters and frees them per unit)."""
     drafter = objective.drafter
-    params = [p for p in objective.parameters()]
-    exclude = {storage_key(t) for t in params + [t for t in batch.values() if torch.is_tensor(t)]}
+    weights = [p for p in objective.parameters()]
+    exclude = {storage_key(t) for t in weights + [t for t in batch.values() if torch.is_tensor(t)]}
     saved = SavedBytes(exclude)
     handles = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-               for p in params if p.requires_grad]
+               for p in weights if p.requires_grad]
     unroll = drafter.ttt_hidden
 
     def ttt_hidden_then_loss(*args, **kwargs):      # everything after the unroll is the loss's
@@ -342,17 +343,17 @@ def gathered_parameters(units: dict) -> int:
     return held + max(units[name][0] for name in TRANSIENT_UNITS if name in units)
 
 
-def state_items(P: Params, drafter: Eagle3Drafter, compute_bytes: int) -> list:
+def state_items(params: Params, drafter: Eagle3Drafter, compute_bytes: int) -> list:
     """The formula items: sharded master weights, gradients, AdamW moments, the frozen embedding,
     gathered units, one unit's unsharded gradient, the target head."""
-    n = P.train.nproc
+    n = params.train.nproc
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in drafter.parameters() if not p.requires_grad)
     units = unit_sizes(drafter)
     gathered = gathered_parameters(units)
     largest_trainable = max(tr for _, tr in units.values())
     V, H, Dv = drafter.config.vocab_size, drafter.config.hidden_size, drafter.config.draft_vocab_size
-    head_bytes = 2 if P.target.dtype in ("bfloat16", "float16", "auto") else 4
+    head_bytes = 2 if params.target.dtype in ("bfloat16", "float16", "auto") else 4
     shard = lambda x: math.ceil(x / n)
     return [
         MemoryItem("master weights (fp32, sharded)", 4 * shard(trainable), ASSUMED, f"{trainable:,} / {n} ranks"),
@@ -369,25 +370,25 @@ def state_items(P: Params, drafter: Eagle3Drafter, compute_bytes: int) -> list:
     ]
 
 
-def estimate(P: Params, seq_len: Optional[int] = None, batch_tokens: Optional[int] = None,
+def estimate(params: Params, seq_len: Optional[int] = None, batch_tokens: Optional[int] = None,
              device: Optional[str] = None) -> MemoryEstimate:
     """Per-GPU memory of one micro-batch (train.batch_tokens tokens as batch_tokens // seq_len
-    sequences of seq_len, default data.max_length) for profile P; see the module docstring."""
-    seq_len = seq_len or P.data.max_length
-    batch_tokens = batch_tokens or P.train.batch_tokens
-    device = device or training_device(P)
+    sequences of seq_len, default data.max_length) for profile `params`; see the module docstring."""
+    seq_len = seq_len or params.data.max_length
+    batch_tokens = batch_tokens or params.train.batch_tokens
+    device = device or training_device(params)
     if seq_len < 3 or batch_tokens < seq_len:
         raise ParamsError(f"train.batch_tokens: {batch_tokens} tokens hold no sequence of {seq_len} "
                           "(the memory model needs batch_tokens >= seq_len >= 3)")
-    compute = torch.bfloat16 if P.train.dtype == "bfloat16" else torch.float32
-    objective = meta_objective(P, compute)
+    compute = torch.bfloat16 if params.train.dtype == "bfloat16" else torch.float32
+    objective = meta_objective(params, compute)
     drafter = objective.drafter
     B = batch_tokens // seq_len
-    batch = meta_batch(P, drafter.config, B, seq_len)
+    batch = meta_batch(params, drafter.config, B, seq_len)
     saved, step_peak = run_step(objective, batch, device)
-    est = MemoryEstimate(seq_len, batch_tokens, B, device, P.train.nproc,
+    est = MemoryEstimate(seq_len, batch_tokens, B, device, params.train.nproc,
                          sum(p.numel() for p in drafter.parameters() if p.requires_grad))
-    est.items = state_items(P, drafter, compute.itemsize)
+    est.items = state_items(params, drafter, compute.itemsize)
     est.items.append(MemoryItem("batch on the device", sum(t.untyped_storage().nbytes() for t in batch.values()),
                                 MEASURED, "aux, ids, label indices, soft labels [N, Dv] fp32"))
     est.items.append(MemoryItem(SAVED_DRAFTER, saved.get("drafter", 0), MEASURED, "part of the step peak"))
@@ -397,10 +398,10 @@ def estimate(P: Params, seq_len: Optional[int] = None, batch_tokens: Optional[in
 
 
 # ==== the budget =================================================================================
-def fit_problem(P: Params, est: MemoryEstimate) -> Optional[str]:
+def fit_problem(params: Params, est: MemoryEstimate) -> Optional[str]:
     """Why `est` does not fit train.gpu_memory_gb with HEADROOM to spare, or None when it does (or
     no budget is stated)."""
-    budget = P.train.gpu_memory_gb
+    budget = params.train.gpu_memory_gb
     if budget is None:
         return None
     limit = (1 - HEADROOM) * budget * GB
@@ -413,14 +414,14 @@ def fit_problem(P: Params, est: MemoryEstimate) -> Optional[str]:
             + "; or ".join(REMEDIES) + ".")
 
 
-def check_fits(P: Params, est: Optional[MemoryEstimate] = None) -> Optional[MemoryEstimate]:
+def check_fits(params: Params, est: Optional[MemoryEstimate] = None) -> Optional[MemoryEstimate]:
     """Refuse, before any work, a profile whose step at data.max_length would not fit
     train.gpu_memory_gb with 20% headroom (ParamsError naming the parameters to change and the
     figure). Returns the estimate (None when the profile states no budget)."""
-    if P.train.gpu_memory_gb is None:
+    if params.train.gpu_memory_gb is None:
         return None
-    est = est or estimate(P)
-    problem = fit_problem(P, est)
+    est = est or estimate(params)
+    problem = fit_problem(params, est)
     if problem:
         raise ParamsError(problem)
     return est
@@ -445,12 +446,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, nargs="*", help="sequence lengths (default: data.max_length)")
     ap.add_argument("--batch-tokens", type=int, help="tokens per micro-batch (default: train.batch_tokens)")
     args = ap.parse_args(argv)
-    P = load_params(args.params)
-    for seq in args.seq or [P.data.max_length]:
-        est = estimate(P, seq, args.batch_tokens)
-        print(format_estimate(est, P.train.gpu_memory_gb))
-        problem = fit_problem(P, est)
-        print(f"  DOES NOT FIT: {problem}" if problem else "  fits" if P.train.gpu_memory_gb else "", flush=True)
+    params = load_params(args.params)
+    for seq in args.seq or [params.data.max_length]:
+        est = estimate(params, seq, args.batch_tokens)
+        print(format_estimate(est, params.train.gpu_memory_gb))
+        problem = fit_problem(params, est)
+        print(f"  DOES NOT FIT: {problem}" if problem else "  fits" if params.train.gpu_memory_gb else "", flush=True)
     return 0
 
 

@@ -2,7 +2,7 @@
 cross-entropy (or an LK loss, train.loss), the training-time-test (TTT) loss, held-out evaluation and the
 acceptance numbers.
 
-    scoring = build_scoring(P, layout, drafter, device)        # head, objective, autocast, aux scale
+    scoring = build_scoring(params, layout, drafter, device)   # head, objective, autocast, aux scale
     batch = prepare_batch(collate(items, max_len), scoring.head, ttt_steps, device, scoring.scale)
     loss, stats = scoring.objective(batch, denominators)       # stats [J, 3]: loss sum, correct, count
     heldout_scores(scoring.objective, scoring.heldout(cache, 32, batch_tokens, device), ttt_steps, scoring.amp)
@@ -526,15 +526,15 @@ class Scoring:
                                self.scale, rank, world)
 
 
-def build_scoring(P: Params, layout: RunLayout, drafter: Eagle3Drafter, device, ttt_steps: Optional[int] = None,
+def build_scoring(params: Params, layout: RunLayout, drafter: Eagle3Drafter, device, ttt_steps: Optional[int] = None,
                   scale: Optional[torch.Tensor] = None, compile: bool = False) -> Scoring:
     """The scoring of run `layout` for `drafter` (already on `device`): the target's lm_head with the
     run's draft vocabulary, TTTObjective(drafter, ttt_steps (default train.ttt_steps), train.decay,
     train.loss, train.lk_eta) and train.dtype's autocast. scale: see batches.aux_scale (None for a
     drafter with s folded in)."""
     d2t, _ = load_vocab(layout.vocab)
-    head = TargetHead(load_target_tensors(target_path(P), ("lm_head",))["lm_head"], d2t).to(device)
-    objective = TTTObjective(drafter, ttt_steps or P.train.ttt_steps, P.train.decay, compile=compile,
-                             loss=P.train.loss, lk_eta=P.train.lk_eta)
-    return Scoring(head, objective, autocast_for(P.train.dtype, device), scale)
+    head = TargetHead(load_target_tensors(target_path(params), ("lm_head",))["lm_head"], d2t).to(device)
+    objective = TTTObjective(drafter, ttt_steps or params.train.ttt_steps, params.train.decay, compile=compile,
+                             loss=params.train.loss, lk_eta=params.train.lk_eta)
+    return Scoring(head, objective, autocast_for(params.train.dtype, device), scale)
 

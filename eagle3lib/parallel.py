@@ -22,19 +22,19 @@ from .objective import TTTObjective
 from .params import TrainParams
 
 
-def frozen_dtype(t: TrainParams, device: torch.device) -> torch.dtype:
+def frozen_dtype(train_params: TrainParams, device: torch.device) -> torch.dtype:
     """The dtype the frozen embedding is held in: bf16 on GPU under train.dtype bfloat16 (the target's
     own values, so exact; halves 4.7 GB at Kimi shapes), else fp32 (on CPU bf16 is emulated on
     AVX2-only machines, and a bf16 lookup would change the fp32 path's numbers)."""
-    return torch.bfloat16 if device.type == "cuda" and t.dtype == "bfloat16" else torch.float32
+    return torch.bfloat16 if device.type == "cuda" and train_params.dtype == "bfloat16" else torch.float32
 
 
-def mixed_precision(t: TrainParams, device: torch.device) -> MixedPrecisionPolicy:
+def mixed_precision(train_params: TrainParams, device: torch.device) -> MixedPrecisionPolicy:
     """FSDP2's policy: on GPU with train.dtype bfloat16 the gathered parameters are bf16 and the
     gradients are reduce-scattered in fp32 (fp32 master weights and optimizer state stay sharded).
     On CPU / gloo everything stays fp32: emulated bf16 is slow there, gloo reduces fp32 exactly, and
     the 2-process gloo tests compare against single-process fp32 training."""
-    if device.type == "cuda" and t.dtype == "bfloat16":
+    if device.type == "cuda" and train_params.dtype == "bfloat16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 

@@ -120,6 +120,11 @@ class ExtractParams:
     # shares, so what the CPU tests ran) | v2 (vLLM 0.32's default on CUDA with Triton; has its own
     # extract_hidden_states speculator and connector hooks, never run here) | auto (vLLM decides).
     model_runner: str = "v1"
+    # Where training takes the train split's states from: offline (03 writes the cache, 04 reads it)
+    # | online (03 caches the eval split only; 04 starts vLLM's OpenAI server with
+    # extract_hidden_states and asks it for each sequence's states: online.py). Not part of the
+    # cache's identity (cache.cache_params_hash): both modes read the same states.
+    mode: str = "offline"
 
 
 @dataclass
@@ -294,10 +299,11 @@ class Params:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def section_hash(self, *sections: str) -> str:
-        """A short hash of the named sections (plus seed and target path): cache identity."""
+    def section_hash(self, *sections: str, leave_out: tuple = ()) -> str:
+        """A short hash of the named sections (plus seed and target path): cache identity.
+        leave_out: "section.key" entries that do not count."""
         d = self.to_dict()
-        payload = {s: d[s] for s in sections}
+        payload = {s: {k: v for k, v in d[s].items() if f"{s}.{k}" not in leave_out} for s in sections}
         payload["seed"] = self.seed
         payload["target_path"] = self.target.path
         blob = json.dumps(payload, sort_keys=True, default=str).encode()
@@ -356,6 +362,7 @@ CHOICES = {
     "extract.device": {"auto", "cpu", "cuda"},
     "extract.fidelity": {"auto", "hf", "vllm", "never"},
     "extract.model_runner": {"auto", "v1", "v2"},
+    "extract.mode": {"offline", "online"},
     "data.regen_backend": {"auto", "vllm", "hf"},
     "data.thinking": {"auto", "on", "off"},                                  # chat_template.THINKING_CHOICES
     "train.dtype": {"float32", "bfloat16", "auto"},
@@ -569,7 +576,7 @@ def validate(p: Params) -> Params:
     check_run_name(p.run_name, "run_name")
     _check_output_dir(p)
     _check_finite(p)
-    d, x, t, e = p.data, p.extract, p.train, p.eval
+    d, x, train_params, e = p.data, p.extract, p.train, p.eval
     need(d.num_eval >= 1, "data.num_eval", "must be >= 1")
     need(d.max_records is None or d.max_records > d.num_eval, "data.max_records", "must exceed data.num_eval")
     need(d.num_train is None or d.num_train >= 1, "data.num_train", "must be >= 1")
@@ -599,36 +606,43 @@ def validate(p: Params) -> Params:
          "extract.vllm_max_num_batched_tokens", "must be >= 16 (or null: target.max_num_batched_tokens)")
     need(e.vllm_max_num_batched_tokens is None or e.vllm_max_num_batched_tokens >= 16,
          "eval.vllm_max_num_batched_tokens", "must be >= 16 (or null: target.max_num_batched_tokens)")
-    need(1 <= t.ttt_steps <= 16, "train.ttt_steps", "must be in 1..16")
-    need(0 < t.decay <= 1, "train.decay", "must be in (0, 1]")
-    need(t.lr > 0, "train.lr", "must be > 0")
-    need(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
-    need(t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
-    need(t.warmup_fraction is None or 0 <= t.warmup_fraction <= MAX_WARMUP_FRACTION, "train.warmup_fraction",
-         f"must be in [0, {MAX_WARMUP_FRACTION}] (a share of the planned steps), got {t.warmup_fraction}")
-    if t.max_steps is not None and t.warmup_fraction is None:
-        need(t.warmup_steps <= max_warmup_steps(t.max_steps), "train.warmup_steps",
-             warmup_problem(t.warmup_steps, t.max_steps, "train.max_steps"))
-    need(t.checkpoint_fraction is None or 0 < t.checkpoint_fraction <= 1, "train.checkpoint_fraction",
-         "must be in (0, 1] (a share of the planned steps; null: train.checkpoint_every)")
-    need(t.checkpoint_minutes is None or t.checkpoint_minutes > 0, "train.checkpoint_minutes",
+    need(1 <= train_params.ttt_steps <= 16, "train.ttt_steps", "must be in 1..16")
+    need(0 < train_params.decay <= 1, "train.decay", "must be in (0, 1]")
+    need(train_params.lr > 0, "train.lr", "must be > 0")
+    need(0 <= train_params.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
+    need(train_params.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+    need(train_params.warmup_fraction is None or 0 <= train_params.warmup_fraction <= MAX_WARMUP_FRACTION,
+         "train.warmup_fraction",
+         f"must be in [0, {MAX_WARMUP_FRACTION}] (a share of the planned steps), got {train_params.warmup_fraction}")
+    if train_params.max_steps is not None and train_params.warmup_fraction is None:
+        need(train_params.warmup_steps <= max_warmup_steps(train_params.max_steps), "train.warmup_steps",
+             warmup_problem(train_params.warmup_steps, train_params.max_steps, "train.max_steps"))
+    need(train_params.checkpoint_fraction is None or 0 < train_params.checkpoint_fraction <= 1,
+         "train.checkpoint_fraction", "must be in (0, 1] (a share of the planned steps; null: train.checkpoint_every)")
+    need(train_params.checkpoint_minutes is None or train_params.checkpoint_minutes > 0, "train.checkpoint_minutes",
          "must be > 0 (or null: off)")
-    need(t.grad_clip > 0, "train.grad_clip", "must be > 0")
-    need(t.epochs > 0, "train.epochs", "must be > 0")
-    need(t.max_steps is None or t.max_steps >= 1, "train.max_steps", "must be >= 1")
-    need(t.time_budget_minutes is None or t.time_budget_minutes > 0, "train.time_budget_minutes", "must be > 0")
-    need(t.batch_tokens >= d.max_length, "train.batch_tokens", "must be >= data.max_length")
-    need(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
-    need(t.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
-    need(t.nproc >= 1, "train.nproc", "must be >= 1")
-    need(t.pg_timeout_minutes >= 1, "train.pg_timeout_minutes",
+    need(train_params.grad_clip > 0, "train.grad_clip", "must be > 0")
+    need(train_params.epochs > 0, "train.epochs", "must be > 0")
+    need(train_params.max_steps is None or train_params.max_steps >= 1, "train.max_steps", "must be >= 1")
+    need(train_params.time_budget_minutes is None or train_params.time_budget_minutes > 0, "train.time_budget_minutes",
+         "must be > 0")
+    need(train_params.batch_tokens >= d.max_length, "train.batch_tokens", "must be >= data.max_length")
+    need(train_params.grad_accum >= 1, "train.grad_accum", "must be >= 1")
+    need(train_params.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
+    need(train_params.nproc >= 1, "train.nproc", "must be >= 1")
+    need(p.extract.mode == "offline" or train_params.nproc == 1, "extract.mode",
+         "online trains with one process for now (the vLLM server is not yet shared between ranks): "
+         "set train.nproc: 1, or extract.mode: offline")
+    need(train_params.pg_timeout_minutes >= 1, "train.pg_timeout_minutes",
          "must be >= 1 (minutes a rank waits for the others; a short one stops long runs at a barrier)")
-    need(0 < t.verify_sample <= 1, "train.verify_sample", "must be in (0, 1] (the share of shards hashed "
+    need(0 < train_params.verify_sample <= 1, "train.verify_sample", "must be in (0, 1] (the share of shards hashed "
          "when train.verify_cache is sampled)")
-    need(t.num_workers >= 0, "train.num_workers", "must be >= 0 (0: read batches in the training process)")
-    need(t.gpu_memory_gb is None or t.gpu_memory_gb > 0, "train.gpu_memory_gb", "must be > 0 (or null: no check)")
-    need(t.eval_sequences >= 1, "train.eval_sequences", "must be >= 1")
-    need(t.max_sequences is None or t.max_sequences >= 1, "train.max_sequences", "must be >= 1 or null (all)")
+    need(train_params.num_workers >= 0, "train.num_workers", "must be >= 0 (0: read batches in the training process)")
+    need(train_params.gpu_memory_gb is None or train_params.gpu_memory_gb > 0, "train.gpu_memory_gb",
+         "must be > 0 (or null: no check)")
+    need(train_params.eval_sequences >= 1, "train.eval_sequences", "must be >= 1")
+    need(train_params.max_sequences is None or train_params.max_sequences >= 1, "train.max_sequences",
+         "must be >= 1 or null (all)")
     sc = p.scaling
     need(all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sc.sizes)
          and list(sc.sizes) == sorted(set(sc.sizes)),
@@ -636,15 +650,16 @@ def validate(p: Params) -> Params:
     need(sc.epochs > 0, "scaling.epochs", "must be > 0")
     need(all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 1 for x in sc.targets),
          "scaling.targets", "acceptance lengths must be > 1, got " + _short(sc.targets))
-    need(t.diverge_steps >= 0, "train.diverge_steps", "must be >= 0 (0: no divergence guard)")
-    need(0 < t.diverge_uniform_rtol < 1, "train.diverge_uniform_rtol", "must be in (0, 1)")
-    need(t.diverge_loss_rise > 1, "train.diverge_loss_rise", "must be > 1")
-    need(t.diverge_grad_norm >= 0, "train.diverge_grad_norm", "must be >= 0")
-    need(0 <= t.lk_eta <= 100, "train.lk_eta", "must be in [0, 100] (0: lk_hybrid is plain KL)")
-    need(0 <= t.feature_noise <= 10, "train.feature_noise", "must be in [0, 10] (std in units of the aux scale)")
-    need(not (t.fc_input_scaling and t.norm_before_fc), "train.fc_input_scaling",
+    need(train_params.diverge_steps >= 0, "train.diverge_steps", "must be >= 0 (0: no divergence guard)")
+    need(0 < train_params.diverge_uniform_rtol < 1, "train.diverge_uniform_rtol", "must be in (0, 1)")
+    need(train_params.diverge_loss_rise > 1, "train.diverge_loss_rise", "must be > 1")
+    need(train_params.diverge_grad_norm >= 0, "train.diverge_grad_norm", "must be >= 0")
+    need(0 <= train_params.lk_eta <= 100, "train.lk_eta", "must be in [0, 100] (0: lk_hybrid is plain KL)")
+    need(0 <= train_params.feature_noise <= 10, "train.feature_noise",
+         "must be in [0, 10] (std in units of the aux scale)")
+    need(not (train_params.fc_input_scaling and train_params.norm_before_fc), "train.fc_input_scaling",
          "cannot be folded into fc behind an RMSNorm: set it false when train.norm_before_fc is true")
-    need(not (t.freeze_lm_head and not t.init_lm_head), "train.freeze_lm_head",
+    need(not (train_params.freeze_lm_head and not train_params.init_lm_head), "train.freeze_lm_head",
          "a frozen lm_head must be initialised from the target (train.init_lm_head: true)")
     need(e.num_prompts >= 1, "eval.num_prompts", "must be >= 1")
     need(e.decoder_prompts is None or e.decoder_prompts >= 1, "eval.decoder_prompts",
@@ -693,8 +708,8 @@ def validate(p: Params) -> Params:
                  f"{x.aux_layers} out of range: the target has {n} layers (valid ids 0..{n - 1})")
         else:
             need(n >= 4, "extract.aux_layers", f"default (2, N//2, N-3) needs N >= 4 layers, got {n}")
-        need(t.init_from_layer is None or -n <= t.init_from_layer < n, "train.init_from_layer",
-             f"{t.init_from_layer} out of range: the target has {n} layers (valid -{n}..{n - 1})")
+        need(train_params.init_from_layer is None or -n <= train_params.init_from_layer < n, "train.init_from_layer",
+             f"{train_params.init_from_layer} out of range: the target has {n} layers (valid -{n}..{n - 1})")
     return p
 
 
@@ -708,15 +723,18 @@ def max_warmup_steps(planned_steps: int) -> int:
     return max(MIN_WARMUP_ALLOWED, math.ceil(MAX_WARMUP_FRACTION * planned_steps))
 
 
-def planned_warmup(t: TrainParams, planned_steps: int) -> int:
+def planned_warmup(train_params: TrainParams, planned_steps: int) -> int:
     """Warmup steps of a run of planned_steps: train.warmup_fraction of them when set, else warmup_steps."""
-    return round(t.warmup_fraction * planned_steps) if t.warmup_fraction is not None else t.warmup_steps
+    if train_params.warmup_fraction is None:
+        return train_params.warmup_steps
+    return round(train_params.warmup_fraction * planned_steps)
 
 
-def checkpoint_interval(t: TrainParams, planned_steps: int) -> int:
+def checkpoint_interval(train_params: TrainParams, planned_steps: int) -> int:
     """Steps between checkpoints: train.checkpoint_fraction of planned_steps when set, else checkpoint_every."""
-    return max(1, round(t.checkpoint_fraction * planned_steps)) if t.checkpoint_fraction is not None \
-        else t.checkpoint_every
+    if train_params.checkpoint_fraction is None:
+        return train_params.checkpoint_every
+    return max(1, round(train_params.checkpoint_fraction * planned_steps))
 
 
 def warmup_problem(warmup: int, planned_steps: int, basis: str) -> str:

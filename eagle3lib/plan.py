@@ -278,23 +278,23 @@ def planned_steps(p: Params, tokens: float, sequences: int) -> int:
     """Optimizer steps as train.schedule counts them, before the cache exists: train.max_steps, else
     epochs x (micro-batches // (ranks x grad_accum)), the micro-batches from `tokens` (one epoch of
     `sequences`) at BATCH_FILL of train.batch_tokens, at least one per sequence too long to share one."""
-    t = p.train
-    if t.max_steps:
-        return t.max_steps
+    train_params = p.train
+    if train_params.max_steps:
+        return train_params.max_steps
     mean = tokens / max(sequences, 1)
-    per_batch = max(1, int(t.batch_tokens // max(mean, 1)))
-    micro = max(math.ceil(tokens / (t.batch_tokens * BATCH_FILL)), math.ceil(sequences / per_batch))
-    per_epoch = max(1, micro // (train_world(p) * t.grad_accum))
-    return max(1, math.ceil(t.epochs * per_epoch))
+    per_batch = max(1, int(train_params.batch_tokens // max(mean, 1)))
+    micro = max(math.ceil(tokens / (train_params.batch_tokens * BATCH_FILL)), math.ceil(sequences / per_batch))
+    per_epoch = max(1, micro // (train_world(p) * train_params.grad_accum))
+    return max(1, math.ceil(train_params.epochs * per_epoch))
 
 
 def heldout_host_bytes(p: Params, shape: Shape, tok_per_conv: float) -> float:
     """Host memory of the prepared held-out set (objective.heldout_batches), built once: per token
     the aux states (fp32 when fc_input_scaling divides them, else the cache dtype) and ids, plus
     fp32 draft-vocabulary labels at the assistant positions it scores."""
-    t, d = p.train, p.data
-    tokens = min(t.eval_sequences, d.num_eval) * tok_per_conv
-    elem = 4 if t.fc_input_scaling or p.extract.dtype not in ("bfloat16", "float16") else 2
+    train_params, d = p.train, p.data
+    tokens = min(train_params.eval_sequences, d.num_eval) * tok_per_conv
+    elem = 4 if train_params.fc_input_scaling or p.extract.dtype not in ("bfloat16", "float16") else 2
     share = min(1.0, regenerated_tokens_per_chat(p) / tok_per_conv) if d.regenerate else ASSISTANT_SHARE
     return tokens * (3 * shape.hidden_size * elem + 8) + tokens * share * 4 * d.draft_vocab_size
 
@@ -550,11 +550,11 @@ def full_run_problems(p: Params, plan: dict, layout: Optional[RunLayout] = None)
     intermediate checkpoint, a disk too small for the caches, host memory too small for the held-out
     set, thinking-mode answers cut by regen_max_new_tokens."""
     layout = layout or p.layout()
-    t, steps, out = p.train, plan["planned_steps"], []
-    warmup = planned_warmup(t, steps)
+    train_params, steps, out = p.train, plan["planned_steps"], []
+    warmup = planned_warmup(train_params, steps)
     if warmup > max_warmup_steps(steps):
         out.append(("refuse", "train.warmup_steps", warmup_problem(warmup, steps, "estimated by the plan")))
-    if plan["checkpoint_interval"] >= steps > 1 and t.checkpoint_minutes is None:
+    if plan["checkpoint_interval"] >= steps > 1 and train_params.checkpoint_minutes is None:
         out.append(("warn", "train.checkpoint_every",
                     f"{plan['checkpoint_interval']:,} >= the {steps:,} planned steps: "
                     "no intermediate checkpoint or held-out eval; set train.checkpoint_fraction (e.g. 0.1) or "
@@ -569,7 +569,7 @@ def full_run_problems(p: Params, plan: dict, layout: Optional[RunLayout] = None)
     if memory and held > HOST_MEMORY_SHARE * memory:
         out.append(("refuse", "train.eval_sequences", f"the held-out set takes ~{human_bytes(held)} of host memory, "
                     f"over {HOST_MEMORY_SHARE:.0%} of this machine's {human_bytes(memory)}: lower "
-                    f"train.eval_sequences ({t.eval_sequences}) or run on a host with more memory"))
+                    f"train.eval_sequences ({train_params.eval_sequences}) or run on a host with more memory"))
     thinking = thinking_problem(p)
     if thinking is not None:
         out.append(thinking)

@@ -69,8 +69,8 @@ from .vllm_bench import run_logged
 Generator = Callable[[list, list], list]
 
 
-def resolve_backend(P) -> str:
-    backend = P.data.regen_backend
+def resolve_backend(params) -> str:
+    backend = params.data.regen_backend
     if backend == "auto":
         return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
     return backend
@@ -82,12 +82,12 @@ def resolve_backend(P) -> str:
 CHUNK_FORMAT = 3
 
 
-def regen_key(P) -> str:
+def regen_key(params) -> str:
     """Hash of everything a regenerated answer depends on (not of which chats are asked for)."""
-    d = P.data
-    payload = {"target": P.target.path, "dtype": P.target.dtype, "backend": resolve_backend(P),
+    d = params.data
+    payload = {"target": params.target.path, "dtype": params.target.dtype, "backend": resolve_backend(params),
                "max_new_tokens": d.regen_max_new_tokens, "temperature": d.regen_temperature,
-               "max_turns": d.regen_max_turns, "max_length": d.max_length, "seed": P.seed,
+               "max_turns": d.regen_max_turns, "max_length": d.max_length, "seed": params.seed,
                "thinking": d.thinking, "chunk_format": CHUNK_FORMAT}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -383,7 +383,7 @@ class VLLMEngine:
     Stepping keeps every request in the engine at once (vLLM batches continuously) and hands back
     each answer when it finishes, so run_streaming writes chunk files as chats finish.
 
-    engine: `vllm.LLM` kwargs from engine.engine_kwargs(P, "regenerate", ...). Prompts arrive as
+    engine: `vllm.LLM` kwargs from engine.engine_kwargs(params, "regenerate", ...). Prompts arrive as
     ids (chat_template.prompt_ids, rendered by the turn loop), as the HF backend reads them."""
 
     def __init__(self, engine: dict, max_new_tokens: int, temperature: float):
@@ -393,9 +393,9 @@ class VLLMEngine:
 
     def submit(self, request_id: str, ids: list, seed: int) -> None:
         from vllm import SamplingParams  # optional dependency (see __init__)
-        params = SamplingParams(max_tokens=self.max_new_tokens, temperature=self.temperature,
-                                seed=seed if self.temperature > 0 else None)
-        self.engine.add_request(request_id, {"prompt_token_ids": ids}, params)
+        sampling_params = SamplingParams(max_tokens=self.max_new_tokens, temperature=self.temperature,
+                                         seed=seed if self.temperature > 0 else None)
+        self.engine.add_request(request_id, {"prompt_token_ids": ids}, sampling_params)
 
     def busy(self) -> bool:
         return self.engine.has_unfinished_requests()
@@ -413,20 +413,20 @@ class VLLMEngine:
         return done
 
 
-def _run_vllm_subprocess(P, model_path: Path, chats: list[dict], out_dir: Path) -> None:
+def _run_vllm_subprocess(params, model_path: Path, chats: list[dict], out_dir: Path) -> None:
     """Run `python -m eagle3lib.regenerate` on `chats`; relays its [regen] lines, keeps a log.
     The engine settings come from engine.engine_kwargs (target.* engine keys)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256("\n".join(c["id"] for c in chats).encode()).hexdigest()[:12]
     requests = out_dir / f"requests-{digest}.jsonl"
     atomic_write_bytes(requests, "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in chats).encode())
-    d = P.data
+    d = params.data
     cmd = [sys.executable, "-m", "eagle3lib.regenerate", "--model", str(model_path),
-           "--requests", str(requests), "--out-dir", str(out_dir), "--dtype", P.target.dtype,
+           "--requests", str(requests), "--out-dir", str(out_dir), "--dtype", params.target.dtype,
            "--max-new-tokens", str(d.regen_max_new_tokens), "--temperature", str(d.regen_temperature),
            "--max-turns", str(d.regen_max_turns), "--max-length", str(d.max_length),
-           "--chunk-size", str(d.regen_batch_size), "--seed", str(P.seed), "--thinking", d.thinking,
-           "--engine", json.dumps(engine_kwargs(P, "regenerate", model_path,
+           "--chunk-size", str(d.regen_batch_size), "--seed", str(params.seed), "--thinking", d.thinking,
+           "--engine", json.dumps(engine_kwargs(params, "regenerate", model_path,
                                                 max_model_len=d.max_length + d.regen_max_new_tokens))]
     log_path = out_dir / "vllm.log"
     rc, tail = run_logged(cmd, log_path, "[regen]", append=True)
@@ -435,40 +435,40 @@ def _run_vllm_subprocess(P, model_path: Path, chats: list[dict], out_dir: Path) 
         raise RuntimeError(f"vLLM regeneration failed (exit {rc}); log: {log_path}\n" + "\n".join(tail))
 
 
-def regenerate_chats(P, run_dir, chats: list[dict], progress: bool = True) -> tuple[list[dict], dict]:
+def regenerate_chats(params, run_dir, chats: list[dict], progress: bool = True) -> tuple[list[dict], dict]:
     """Regenerate `chats` (normalised, with ids). Returns (kept chats with the target's answers:
     {"id", "messages", "input_ids", "loss_mask"} (token_sequence), stats). Finished chats in the
     chunk files are reused (matched by prompt_key: same id and same prompt turns); only the others
     are generated."""
-    d = P.data
-    out_dir = RunLayout(run_dir).regen(regen_key(P))
+    d = params.data
+    out_dir = RunLayout(run_dir).regen(regen_key(params))
     out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out_dir / "config.json", {"key": regen_key(P), "backend": resolve_backend(P),
-                                                "target": P.target.path, "dtype": P.target.dtype,
+    atomic_write_json(out_dir / "config.json", {"key": regen_key(params), "backend": resolve_backend(params),
+                                                "target": params.target.path, "dtype": params.target.dtype,
                                                 "max_new_tokens": d.regen_max_new_tokens,
                                                 "temperature": d.regen_temperature,
                                                 "max_turns": d.regen_max_turns,
-                                                "max_length": d.max_length, "seed": P.seed,
+                                                "max_length": d.max_length, "seed": params.seed,
                                                 "thinking": d.thinking, "chunk_format": CHUNK_FORMAT})
     keys = {c["id"]: prompt_key(c, d.regen_max_turns) for c in chats}
     done = load_results(out_dir)
     pending = [c for c in chats if keys[c["id"]] not in done]
     from_cache = len(set(keys.values()) & set(done))
-    backend = resolve_backend(P)
-    model_path = target_path(P)
+    backend = resolve_backend(params)
+    model_path = target_path(params)
     run = {"new_tokens": 0, "seconds": 0.0}
     if pending:
         if backend == "vllm":
             t0 = time.time()
             before = sum(r["new_tokens"] for r in load_results(out_dir).values())
-            _run_vllm_subprocess(P, model_path, pending, out_dir)
+            _run_vllm_subprocess(params, model_path, pending, out_dir)
             after = sum(r["new_tokens"] for r in load_results(out_dir).values())
             run = {"new_tokens": after - before, "seconds": round(time.time() - t0, 2)}
         else:
-            generate = HFGenerator(model_path, P.target.dtype, d.regen_max_new_tokens,
-                                   d.regen_temperature, P.target.trust_remote_code)
+            generate = HFGenerator(model_path, params.target.dtype, d.regen_max_new_tokens,
+                                   d.regen_temperature, params.target.trust_remote_code)
             run = run_chunks(pending, generate, generate.tokenizer, out_dir, d.regen_batch_size,
-                             d.regen_max_turns, d.max_length, P.seed, progress, thinking=d.thinking)
+                             d.regen_max_turns, d.max_length, params.seed, progress, thinking=d.thinking)
     results = load_results(out_dir)
     missing = sorted(conv_id for conv_id, key in keys.items() if key not in results)
     if missing:

@@ -99,13 +99,15 @@ def _cores() -> int:
 # ---- one run -------------------------------------------------------------------------------
 def load_run(run_dir) -> dict:
     """{name, metrics, params, history} of a run folder; missing files read as empty."""
-    L = RunLayout(run_dir)
-    metrics = read_metrics(L.metrics)
-    params = yaml.safe_load(L.params.read_text()) if L.params.is_file() else {}
-    history = read_json(L.history) if L.history.is_file() else []
-    return {"name": L.root.name, "metrics": metrics, "params": params or {}, "history": history,
-            "tensorboard": L.tensorboard.is_dir(),
-            "explorer": (L.eval_work("explorer") / "explorer.html").is_file()}
+    layout = RunLayout(run_dir)
+    metrics = read_metrics(layout.metrics)
+    params = yaml.safe_load(layout.params.read_text()) if layout.params.is_file() else {}
+    history = read_json(layout.history) if layout.history.is_file() else []
+    return {"name": layout.root.name, "metrics": metrics, "params": params or {}, "history": history,
+            "tensorboard": layout.tensorboard.is_dir(),
+            "explorer": (layout.eval_work("explorer") / "explorer.html").is_file(),
+            "executed": {f.name for stem in NOTEBOOKS.values()
+                         for f in (layout.notebook(stem), layout.notebook(stem).with_suffix(".html")) if f.is_file()}}
 
 
 def headline(run: dict) -> str:
@@ -205,7 +207,7 @@ def index_markdown(run: dict) -> str:
     for stage, stem in NOTEBOOKS.items():
         if stage in OPTIONAL_NOTEBOOKS and stage not in times:       # a study this run did not run
             continue
-        lines.append(f"| {stage} | [{stem}]({stem}.html) ([ipynb]({stem}.ipynb)) | {fmt(times.get(stage))} |")
+        lines.append(f"| {stage} | {_notebook_links(stem, run.get('executed', set()))} | {fmt(times.get(stage))} |")
     if run.get("explorer"):
         lines += ["", "Where the drafter fails, token by token: "
                   "[the acceptance explorer](eval/explorer/explorer.html)."]
@@ -216,6 +218,12 @@ def index_markdown(run: dict) -> str:
         if m.get(section, {}).get("verdict"):
             lines += ["", f"## Verdict ({section})", "", "```", m[section]["verdict"], "```"]
     return "\n".join(lines) + "\n"
+
+
+def _notebook_links(stem: str, executed: set) -> str:
+    """A stage's executed notebook as links (html, ipynb) where the files exist, else its name."""
+    html_link = f"[{stem}]({stem}.html)" if f"{stem}.html" in executed else stem
+    return html_link + (f" ([ipynb]({stem}.ipynb))" if f"{stem}.ipynb" in executed else " (not run)")
 
 
 def _markdown_to_html(md: str) -> str:
@@ -270,8 +278,8 @@ STYLE = ("body{font-family:system-ui,sans-serif;max-width:1000px;margin:2em auto
 
 def write_index(run_dir) -> Path:
     """outputs/<run>/index.html (self-contained: plots inline) and index.md; returns the html path."""
-    L = RunLayout(run_dir)
-    run = load_run(L.root)
+    layout = RunLayout(run_dir)
+    run = load_run(layout.root)
     md = index_markdown(run)
     params = yaml.safe_dump(run["params"], sort_keys=False) if run["params"] else "(params.yaml not written)"
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>eagle3lab run {html.escape(run['name'])}"
@@ -279,9 +287,9 @@ def write_index(run_dir) -> Path:
             f"<h2>Plots</h2>{''.join(_plots(run)) or '<p>none yet</p>'}"
             f"<details><summary>Params in use</summary><pre>{html.escape(params)}</pre></details>"
             f"</body></html>\n")
-    atomic_write_bytes(L.index_md, md.encode())
-    atomic_write_bytes(L.index_html, page.encode())
-    return L.index_html
+    atomic_write_bytes(layout.index_md, md.encode())
+    atomic_write_bytes(layout.index_html, page.encode())
+    return layout.index_html
 
 
 # ---- several runs ----------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from typing import Optional
 from .chats import check_sources
 from .files import atomic_write_bytes, is_strictly_inside, read_metrics, remove_tree, run_lock, update_metrics
 from .layout import RunLayout
+from .page_check import BrowserMissing, PageCheck, check_page
 from .params import Params, ParamsError, check_run_name, dump, load_params, repo_root, resolve_path
 from .plan import capacity_plan, measured_stats, refuse_full_run
 from .progress import INTERVAL_ENV, PROGRESS_ENV
@@ -117,9 +118,28 @@ def run_pipeline(params_path: str, only: Optional[str] = None, run_name: Optiona
     with run_lock(layout.root, log=log):
         record_run(p, layout, params_file)
         expected = expected_seconds(p, layout)
-        return [_run_stage(stage, layout, notebooks_dir,
-                           {"params_path": params_file, "run_name": run_name}, html, log, expected.get(stage))
-                for stage in stages]
+        results = [_run_stage(stage, layout, notebooks_dir,
+                              {"params_path": params_file, "run_name": run_name}, html, log, expected.get(stage))
+                   for stage in stages]
+        check_report_page(layout, log)
+        return results
+
+
+def check_report_page(layout: RunLayout, log) -> Optional[PageCheck]:
+    """Open the run's index page in headless Chromium and save its screenshot beside it; what is
+    broken (headline, an image, a link) is logged. Without a browser, say how to get one."""
+    try:
+        check = check_page(layout.index_html, screenshot=layout.index_png)
+    except BrowserMissing as e:
+        log(f"[eagle3] index page not checked in a browser: {e}")
+        return None
+    except (RuntimeError, OSError) as e:
+        log(f"[eagle3] index page check could not run: {e}")
+        return None
+    log(f"[eagle3] {check.summary()}")
+    for problem in check.problems():
+        log(f"[eagle3] WARNING: {problem}")
+    return check
 
 
 def checked_layout(p: Params, run_name: str) -> RunLayout:

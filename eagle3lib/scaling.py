@@ -36,48 +36,66 @@ from .cache import HiddenCache
 from .export import export_vllm
 from .files import update_metrics
 from .layout import RunLayout
-from .params import MAX_WARMUP_FRACTION, Params, TrainParams
+from .params import MAX_WARMUP_FRACTION, Params, ParamsError, TrainParams
 from .progress import relay
 from .target import load_tokenizer, target_path
 from .train import schedule, train
 from .vllm_bench import mode
 
 
-def point_warmup_fraction(t: TrainParams, main_steps: Optional[int] = None) -> float:
+def point_warmup_fraction(train_params: TrainParams, main_steps: Optional[int] = None) -> float:
     """A point's warmup as a share of its own planned steps: train.warmup_fraction, else the main
     run's share (warmup_steps over its planned steps: max_steps, else main_steps), at most
     MAX_WARMUP_FRACTION."""
-    if t.warmup_fraction is not None:
-        return t.warmup_fraction
-    planned = t.max_steps or main_steps
+    if train_params.warmup_fraction is not None:
+        return train_params.warmup_fraction
+    planned = train_params.max_steps or main_steps
     if planned is None:
         raise ValueError("a scaling point's warmup needs the main run's planned steps (train.max_steps, or "
                          "main_steps from the run's cache: main_run_steps), or set train.warmup_fraction")
-    return min(MAX_WARMUP_FRACTION, t.warmup_steps / planned)
+    return min(MAX_WARMUP_FRACTION, train_params.warmup_steps / planned)
 
 
-def main_run_steps(P: Params, L: RunLayout) -> int:
+def study_cache(params: Params, layout: RunLayout) -> HiddenCache:
+    """The run's training cache the study's points train on (check_study first)."""
+    check_study(params)
+    return HiddenCache(layout.hidden("train"))
+
+
+def check_study(params: Params) -> None:
+    """A clear error when there is no study to run (scaling.sizes empty) or no cache to run it on
+    (extract.mode online keeps none on disk)."""
+    if not params.scaling.sizes:
+        raise ParamsError("scaling.sizes is empty, so there is no study to run; set e.g. "
+                          "scaling: {sizes: [250, 500, 1000, 2000]} (at most data.num_train)")
+    if params.extract.mode == "online":
+        raise ParamsError("06_scaling trains its points on the run's hidden-state cache, and extract.mode: online "
+                          "keeps none; run the study with extract.mode: offline (03_extract writes the cache)")
+
+
+def main_run_steps(params: Params, layout: RunLayout) -> int:
     """The main run's planned optimizer steps (train.schedule on the run's training cache, its ranks)."""
-    world = P.train.nproc if P.train.distributed != "none" else 1
-    return schedule(HiddenCache(L.hidden("train")), P.train, P.seed, world)[3]
+    world = params.train.nproc if params.train.distributed != "none" else 1
+    return schedule(HiddenCache(layout.hidden("train")), params.train, params.seed, world)[3]
 
 
-def point_params(P: Params, n: int, main_steps: Optional[int] = None, **train_changes) -> Params:
+def point_params(params: Params, n: int, main_steps: Optional[int] = None, **train_changes) -> Params:
     """The profile of the point with n training chats: train.max_sequences n, scaling.epochs
     epochs, no max_steps, no time budget (a point always finishes its epochs), the main run's warmup
     share (point_warmup_fraction; main_steps: main_run_steps, needed without max_steps and
     warmup_fraction); train_changes (e.g. loss="lk_hybrid") make a variant of the recipe."""
-    t = dataclasses.replace(P.train, max_sequences=n, epochs=P.scaling.epochs, max_steps=None,
-                            time_budget_minutes=None, warmup_fraction=point_warmup_fraction(P.train, main_steps),
-                            **train_changes)
-    return dataclasses.replace(P, train=t)
+    train_params = dataclasses.replace(params.train, max_sequences=n, epochs=params.scaling.epochs, max_steps=None,
+                                       time_budget_minutes=None,
+                                       warmup_fraction=point_warmup_fraction(params.train, main_steps),
+                                       **train_changes)
+    return dataclasses.replace(params, train=train_params)
 
 
-def point_layout(L: RunLayout, n: int, variant: str = "") -> RunLayout:
+def point_layout(layout: RunLayout, n: int, variant: str = "") -> RunLayout:
     """The point's run folder with data/ and hidden/ linked (relative links) to the run's own."""
-    root = L.scaling_point(n, variant)
+    root = layout.scaling_point(n, variant)
     root.mkdir(parents=True, exist_ok=True)
-    for name, target in (("data", L.data), ("hidden", L.hidden_root)):
+    for name, target in (("data", layout.data), ("hidden", layout.hidden_root)):
         link = root / name
         rel = os.path.relpath(target, root)
         if link.is_symlink() and os.readlink(link) == rel:
@@ -88,15 +106,17 @@ def point_layout(L: RunLayout, n: int, variant: str = "") -> RunLayout:
     return RunLayout(root)
 
 
-def train_point(P: Params, L: RunLayout, n: int, progress: bool = True, variant: str = "", **train_changes) -> dict:
+def train_point(params: Params, layout: RunLayout, n: int, progress: bool = True, variant: str = "",
+                **train_changes) -> dict:
     """Train (or resume, or re-read) the point with n chats; returns one row of the study table.
     variant + train_changes: the same point with a changed recipe, in its own folder."""
     if bool(variant) != bool(train_changes):
         raise ValueError("a variant needs both a name and its train changes (and the study's points neither)")
-    point = point_layout(L, n, variant)
-    main_steps = None if P.train.max_steps or P.train.warmup_fraction is not None else main_run_steps(P, L)
-    summary = train(point_params(P, n, main_steps, **train_changes), point.root, progress=progress,
-                    links_within=L.root)
+    point = point_layout(layout, n, variant)
+    main_steps = (None if params.train.max_steps or params.train.warmup_fraction is not None
+                  else main_run_steps(params, layout))
+    summary = train(point_params(params, n, main_steps, **train_changes), point.root, progress=progress,
+                    links_within=layout.root)
     ev = summary["eval"] or {}
     return {"chats": n, "steps": summary["steps"], "epochs": round(summary["epochs_done"], 3),
             "train_sequences": summary["train_sequences"],
@@ -105,50 +125,49 @@ def train_point(P: Params, L: RunLayout, n: int, progress: bool = True, variant:
             "tokens_per_s": summary["tokens_per_s_this_run"], "final_dir": summary["final_dir"]}
 
 
-def run_study(P: Params, L: RunLayout, progress: bool = True, log: Callable = relay) -> pd.DataFrame:
+def run_study(params: Params, layout: RunLayout, progress: bool = True, log: Callable = relay) -> pd.DataFrame:
     """Every point of scaling.sizes, smallest first; one row per point (train_point). log: where the
     per-point lines go (progress.relay: the terminal under the headless runner)."""
-    if not P.scaling.sizes:
-        raise ValueError("scaling.sizes is empty: the profile states no study (e.g. sizes: [250, 500, 1000, 2000])")
-    if P.data.num_train is not None and P.scaling.sizes[-1] > P.data.num_train:
-        raise ValueError(f"scaling.sizes: the largest size {P.scaling.sizes[-1]} exceeds data.num_train="
-                         f"{P.data.num_train}: the study trains on subsets of this run's training chats; "
+    check_study(params)
+    if params.data.num_train is not None and params.scaling.sizes[-1] > params.data.num_train:
+        raise ValueError(f"scaling.sizes: the largest size {params.scaling.sizes[-1]} exceeds data.num_train="
+                         f"{params.data.num_train}: the study trains on subsets of this run's training chats; "
                          "lower the sizes or grow data.num_train (and rerun 02 and 03)")
     rows = []
-    for n in P.scaling.sizes:
-        log(f"[scaling] point n={n}: {P.scaling.epochs} epochs on {n} chats")
-        rows.append(train_point(P, L, n, progress))
+    for n in params.scaling.sizes:
+        log(f"[scaling] point n={n}: {params.scaling.epochs} epochs on {n} chats")
+        rows.append(train_point(params, layout, n, progress))
         log(f"[scaling] point n={n}: acceptance replayed {rows[-1]['acceptance_replayed']:.3f} "
             f"after {rows[-1]['steps']} steps")
     return pd.DataFrame(rows)
 
 
-def export_points(P: Params, L: RunLayout, table: pd.DataFrame, target_dir) -> dict:
+def export_points(params: Params, layout: RunLayout, table: pd.DataFrame, target_dir) -> dict:
     """{chats: export folder} for vLLM (speculators layout, k = eval.k), one per trained point."""
-    return {int(row.chats): export_point(P, row.final_dir, target_dir) for row in table.itertuples()}
+    return {int(row.chats): export_point(params, row.final_dir, target_dir) for row in table.itertuples()}
 
 
-def export_point(P: Params, final_dir, target_dir):
+def export_point(params: Params, final_dir, target_dir):
     """A point's vLLM export beside its train/ folder (speculators layout, k = eval.k)."""
     point = RunLayout(Path(final_dir).parent.parent)         # <point>/train/final -> <point>
-    return export_vllm(final_dir, point.export, target_dir, layout="speculators", k=P.eval.k)
+    return export_vllm(final_dir, point.export, target_dir, layout="speculators", k=params.eval.k)
 
 
 def vllm_mode_name(n: int, k: int) -> str:
     return f"eagle3_n{n}_k{k}"
 
 
-def vllm_compare(P: Params, L: RunLayout, exports: dict, workdir, limit: Optional[int] = None) -> tuple:
+def vllm_compare(params: Params, layout: RunLayout, exports: dict, workdir, limit: Optional[int] = None) -> tuple:
     """Plain decoding, then each export {mode name: folder} as eagle3 at k = eval.k, in ONE vLLM
     subprocess on the run's held-out prompts (the first `limit`, else eval.vllm_prompts) ->
     (summary DataFrame, raw result, the same-output report). At T = 0 in fp32 every output must
     equal plain's: evaluate.check_vllm_same_output raises naming the prompt."""
-    tdir = target_path(P)
-    prompts, _ = ev.eval_prompts(P, L.root, load_tokenizer(tdir, P.target.trust_remote_code))
+    tdir = target_path(params)
+    prompts, _ = ev.eval_prompts(params, layout.root, load_tokenizer(tdir, params.target.trust_remote_code))
     prompts = prompts[:limit] if limit else prompts
-    modes = [mode("plain")] + [mode("eagle3", P.eval.k, name=name, model=str(d)) for name, d in exports.items()]
-    summary, raw = ev.run_vllm_eval(P, tdir, prompts, modes, workdir)
-    return summary, raw, ev.check_vllm_same_output(raw, prompts, P)
+    modes = [mode("plain")] + [mode("eagle3", params.eval.k, name=name, model=str(d)) for name, d in exports.items()]
+    summary, raw = ev.run_vllm_eval(params, tdir, prompts, modes, workdir)
+    return summary, raw, ev.check_vllm_same_output(raw, prompts, params)
 
 
 # ==== the fitted curve ==========================================================================
@@ -225,21 +244,21 @@ def plot_curve(table: pd.DataFrame, fit: dict, targets=(), vllm: Optional[pd.Dat
     return fig
 
 
-def record_study(P: Params, L: RunLayout, table: pd.DataFrame, fit: dict, vllm_table: Optional[pd.DataFrame] = None,
-                 vllm_fit: Optional[dict] = None) -> str:
+def record_study(params: Params, layout: RunLayout, table: pd.DataFrame, fit: dict,
+                 vllm_table: Optional[pd.DataFrame] = None, vllm_fit: Optional[dict] = None) -> str:
     """metrics.json's "scaling" section (the points' acceptance, both fits, the chats each target
     needs by the vLLM fit when there is one, else the replayed one) and its verdict line, returned."""
     main_fit = vllm_fit or fit
-    k = P.eval.k if vllm_fit else P.train.ttt_steps
-    needed = {str(t): chats_for(main_fit, t, k) for t in P.scaling.targets}
+    k = params.eval.k if vllm_fit else params.train.ttt_steps
+    needed = {str(t): chats_for(main_fit, t, k) for t in params.scaling.targets}
     basis = "vLLM" if vllm_fit else "replayed"
     beyond = any(n and n > main_fit["n_max"] for n in needed.values())
     verdict = (f"Verdict ({basis}): from {round(main_fit['n_min'])} to {round(main_fit['n_max'])} chats, each "
                f"doubling added {main_fit['per_doubling']:+.3f} to the acceptance length; "
                + "; ".join(f"{t}: {'not reached' if n is None else f'~{n:,.0f} chats'}" for t, n in needed.items())
                + (" (beyond the largest point: an optimistic extrapolation)" if beyond else ""))
-    update_metrics(L.root, "scaling", {
-        "sizes": list(P.scaling.sizes), "epochs": P.scaling.epochs,
+    update_metrics(layout.root, "scaling", {
+        "sizes": list(params.scaling.sizes), "epochs": params.scaling.epochs,
         "acceptance_replayed": [float(x) for x in table["acceptance_replayed"]],
         "fit_replayed": fit,
         "acceptance_vllm": None if vllm_table is None else [float(x) for x in vllm_table["acceptance_length"]],

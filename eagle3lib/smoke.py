@@ -1,12 +1,12 @@
-"""The smoke slice of a profile (`eagle3 run --params P --smoke`): the same target, engines,
+"""The smoke slice of a profile (`eagle3 run --params PROFILE --smoke`): the same target, engines,
 parallel layout and stages as the full run, on a tiny slice, in its own run folder.
 
-    S = smoke_params(P)            # P with only SIZE_FIELDS changed, run_name "<run_name>-smoke"
-    branches(S) == branches(P)     # every decision the pipeline takes from the profile is the same
+    smoke = smoke_params(params)      # params with only SIZE_FIELDS changed, run_name "<run_name>-smoke"
+    branches(smoke) == branches(params)   # every decision the pipeline takes from the profile is the same
 
 A long run that dies at hour 3 costs hours; its smoke run meets the same failure in minutes. The
 slice changes how much work each stage does (chats read, chats trained on, optimizer steps,
-prompts, tokens generated), never which code runs: `changed_fields(P, S)` lists what differs and
+prompts, tokens generated), never which code runs: `changed_fields(params, smoke)` lists what differs and
 the tests check that it lies inside SIZE_FIELDS, and that `branches` (the decisions derived from
 the profile: regeneration and extraction backends, distributed mode, checkpoint format, eval
 backends, reference decoder, scaling study, ...) is the same for both. Training runs in two legs
@@ -76,7 +76,7 @@ def _capped_sources(source: Any, records: int) -> Any:
 def smoke_params(p: Params, run_name: Optional[str] = None, s: Slice = SLICE) -> Params:
     """The smoke profile of `p`: every field outside SIZE_FIELDS unchanged; the sizes of `s` (or
     `p`'s own where smaller); run_name `run_name` or "<p.run_name>-smoke"; validated."""
-    d, x, t, e, sc = p.data, p.extract, p.train, p.eval, p.scaling
+    d, x, train_params, e, sc = p.data, p.extract, p.train, p.eval, p.scaling
     num_train = _cap(d.num_train, s.chats)
     num_eval = min(d.num_eval, s.eval_chats)
     records = (num_train + num_eval) * s.records_per_chat
@@ -88,7 +88,7 @@ def smoke_params(p: Params, run_name: Optional[str] = None, s: Slice = SLICE) ->
     regen_num_train = None if d.regen_num_train is None else (
         min(d.regen_num_train, num_train) if d.num_train is not None and d.regen_num_train >= d.num_train
         else max(1, min(d.regen_num_train, num_train // 2)))
-    steps = max(2, _cap(t.max_steps, s.steps))      # two legs: at least a checkpoint before the last step
+    steps = max(2, _cap(train_params.max_steps, s.steps))  # two legs: at least a checkpoint before the last step
     prompts = min(e.num_prompts, s.eval_prompts)
     data = dataclasses.replace(
         d, source=_capped_sources(d.source, records), max_records=_cap(d.max_records, records),
@@ -96,12 +96,12 @@ def smoke_params(p: Params, run_name: Optional[str] = None, s: Slice = SLICE) ->
     # several cache shards, as the full run has: about a few answers' worth of tokens per shard
     extract = dataclasses.replace(x, shard_tokens=min(x.shard_tokens, num_train * new_tokens))
     # a checkpoint half way (checkpoint_fraction replaces checkpoint_every where the profile sets it)
-    cadence = {"checkpoint_fraction": 0.5} if t.checkpoint_fraction is not None else \
+    cadence = {"checkpoint_fraction": 0.5} if train_params.checkpoint_fraction is not None else \
         {"checkpoint_every": max(1, steps // 2)}
     train = dataclasses.replace(
-        t, max_steps=steps, **cadence, warmup_steps=min(t.warmup_steps, max_warmup_steps(steps)),
-        eval_sequences=min(t.eval_sequences, num_eval), resume=True,
-        max_sequences=None if t.max_sequences is None else min(t.max_sequences, num_train))
+        train_params, max_steps=steps, **cadence, warmup_steps=min(train_params.warmup_steps, max_warmup_steps(steps)),
+        eval_sequences=min(train_params.eval_sequences, num_eval), resume=True,
+        max_sequences=None if train_params.max_sequences is None else min(train_params.max_sequences, num_train))
     evals = dataclasses.replace(
         e, num_prompts=prompts, vllm_prompts=None if e.vllm_prompts is None else min(e.vllm_prompts, prompts),
         decoder_prompts=None if e.decoder_prompts is None else min(e.decoder_prompts, prompts),
@@ -145,7 +145,7 @@ def checkpoint_format(p: Params) -> str:
 def branches(p: Params) -> dict:
     """The decisions the pipeline takes from the profile, by name (JSON-able values). A smoke run
     exercises the full run's code paths when its branches equal the full profile's."""
-    d, x, t, e, tg = p.data, p.extract, p.train, p.eval, p.target
+    d, x, train_params, e, tg = p.data, p.extract, p.train, p.eval, p.target
     regen = resolve_regen_backend(p) if d.regenerate else "off"
     partial = d.regen_num_train is not None and (d.num_train is None or d.regen_num_train < d.num_train)
     return {
@@ -160,21 +160,25 @@ def branches(p: Params) -> dict:
         "thinking": d.thinking,
         "extraction": {"backend": x.backend, "device": x.device, "processes": x.nproc, "cache dtype": x.dtype},
         "fidelity check": x.fidelity,
-        "cache verification": t.verify_cache,
-        "training": {"distributed": t.distributed, "processes": t.nproc, "dtype": t.dtype,
-                     "attention": t.attention, "activation_checkpointing": t.activation_checkpointing,
-                     "compile": t.compile, "data loader workers": t.num_workers > 0},
+        "cache verification": train_params.verify_cache,
+        "training": {"distributed": train_params.distributed, "processes": train_params.nproc,
+                     "dtype": train_params.dtype, "attention": train_params.attention,
+                     "activation_checkpointing": train_params.activation_checkpointing,
+                     "compile": train_params.compile, "data loader workers": train_params.num_workers > 0},
         "checkpoint format": checkpoint_format(p),
-        "checkpoint cadence": {"by": "fraction" if t.checkpoint_fraction is not None else "steps",
-                               "also by minutes": t.checkpoint_minutes is not None},
-        "warmup": "fraction" if t.warmup_fraction is not None else "steps",
-        "resume": t.resume,
-        "objective": {"optimizer": t.optimizer, "loss": t.loss, "label_positions": t.label_positions,
-                      "fc_input_scaling": t.fc_input_scaling, "feature_noise": t.feature_noise > 0,
-                      "init_from_layer": t.init_from_layer is not None, "freeze_lm_head": t.freeze_lm_head},
-        "memory check": t.gpu_memory_gb is not None,
-        "time budget": t.time_budget_minutes is not None,
-        "tracking": t.tracking,
+        "checkpoint cadence": {"by": "fraction" if train_params.checkpoint_fraction is not None else "steps",
+                               "also by minutes": train_params.checkpoint_minutes is not None},
+        "warmup": "fraction" if train_params.warmup_fraction is not None else "steps",
+        "resume": train_params.resume,
+        "objective": {"optimizer": train_params.optimizer, "loss": train_params.loss,
+                      "label_positions": train_params.label_positions,
+                      "fc_input_scaling": train_params.fc_input_scaling,
+                      "feature_noise": train_params.feature_noise > 0,
+                      "init_from_layer": train_params.init_from_layer is not None,
+                      "freeze_lm_head": train_params.freeze_lm_head},
+        "memory check": train_params.gpu_memory_gb is not None,
+        "time budget": train_params.time_budget_minutes is not None,
+        "tracking": train_params.tracking,
         "reference decoder": e.reference_decoder,
         "vLLM eval": e.use_vllm,
         "eval sampling": "greedy" if e.temperature == 0 else "sampled",

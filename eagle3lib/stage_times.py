@@ -282,10 +282,10 @@ def kv_bytes_per_token(p: Params) -> float:
 def train_rate(p: Params, host: Host, work: Workload) -> tuple[float, str]:
     """Trainer tokens/s: the GPU measurement scaled per GPU kind and ranks, or this CPU's record
     scaled by the drafter's FLOPs per token and the dtype."""
-    t = p.train
+    train_params = p.train
     if host.gpus:
         flops, _, _ = GPU_KINDS[host.gpu]
-        ranks = t.nproc if t.distributed != "none" else 1
+        ranks = train_params.nproc if train_params.distributed != "none" else 1
         basis_flops = drafter_flops_per_token(H200_TRAIN_BASIS)
         rate = H200_TRAIN_TOKENS_PER_S * flops / GPU_KINDS["H200"][0] * basis_flops / work.drafter_flops_per_token
         rate *= ranks * (FSDP_SCALING if ranks > 1 else 1.0)
@@ -300,11 +300,11 @@ def train_rate(p: Params, host: Host, work: Workload) -> tuple[float, str]:
     rate = value * drafter_flops_per_token(b) / work.drafter_flops_per_token if b else value
     rate = min(rate, CPU_TINY_DRAFTER_CAP * value)      # tiny drafters are overhead-bound
     native = host.kind == "native_bf16"
-    if native and b.get("dtype") == "bfloat16" and t.dtype != "bfloat16":
+    if native and b.get("dtype") == "bfloat16" and train_params.dtype != "bfloat16":
         rate /= CPU_BF16_TRAIN_SPEEDUP
-    elif native and b.get("dtype") != "bfloat16" and t.dtype == "bfloat16":
+    elif native and b.get("dtype") != "bfloat16" and train_params.dtype == "bfloat16":
         rate *= CPU_BF16_TRAIN_SPEEDUP
-    return rate, f"{basis}; scaled by the drafter's FLOPs per token and train.dtype ({t.dtype})"
+    return rate, f"{basis}; scaled by the drafter's FLOPs per token and train.dtype ({train_params.dtype})"
 
 
 def drafter_flops_per_token(shape: dict, ttt_steps: Optional[int] = None) -> float:
@@ -453,8 +453,8 @@ def verify_share(p: Params) -> tuple[float, str]:
 
 
 def train_stage(p: Params, work: Workload, host: Host, stage: Stage, measured: dict) -> None:
-    t = p.train
-    ranks = t.nproc if t.distributed != "none" else 1
+    train_params = p.train
+    ranks = train_params.nproc if train_params.distributed != "none" else 1
     setup = (TRAIN_SETUP_S, f"assumed ({TRAIN_SETUP_S:.0f} s)") if host.gpus else \
         (CPU_TRAIN_SETUP_S, f"measured ({CPU_TRAIN_SETUP_S:.0f} s, ci 2026-12-05)")
     stage.add("setup (imports, cache, drafter, target head)", *setup)
@@ -467,9 +467,9 @@ def train_stage(p: Params, work: Workload, host: Host, stage: Stage, measured: d
         rate, basis = train_rate(p, host, work)
     seconds = work.train_tokens / rate
     stage.rate = ("train", rate, basis, seconds)
-    if t.time_budget_minutes is not None and 60 * t.time_budget_minutes < seconds:
-        stage.add(f"train (train.time_budget_minutes stops it at {t.time_budget_minutes:g} min)",
-                  60 * t.time_budget_minutes, f"train.time_budget_minutes; the rate: {basis}")
+    if train_params.time_budget_minutes is not None and 60 * train_params.time_budget_minutes < seconds:
+        stage.add(f"train (train.time_budget_minutes stops it at {train_params.time_budget_minutes:g} min)",
+                  60 * train_params.time_budget_minutes, f"train.time_budget_minutes; the rate: {basis}")
     else:
         stage.add(f"train {work.planned_steps:,} steps, {work.train_tokens:,.0f} tokens at {rate:,.0f} tok/s",
                   seconds, basis)

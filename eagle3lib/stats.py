@@ -65,7 +65,7 @@ class RegenStats:
 @dataclass(frozen=True)
 class DataStats:
     """`<run>/data/stats.json`, the data stage's report and completion marker (see prepare_data)."""
-    cache_key: dict[str, str]         # what the outputs were built from (cache_key(P))
+    cache_key: dict[str, str]         # what the outputs were built from (cache_key(params))
     source: str
     records_read: int
     valid: int
@@ -120,4 +120,4 @@ def load_stats(run_dir) -> DataStats:
         return DataStats.from_json(read_json(path))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{path}: not a data stats file of this version ({type(e).__name__}: {e}); "
-                         f"rerun the data stage (notebook 02, or prepare_data(P, run_dir, force=True))") from e
+                         f"rerun the data stage (notebook 02, or prepare_data(params, run_dir, force=True))") from e

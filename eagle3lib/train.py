@@ -1,6 +1,6 @@
 """Training the EAGLE-3 drafter with training-time test (TTT) on the cached hidden states.
 
-    summary = train(P, run_dir)        # reads <run>/hidden/{train,eval}, <run>/data/vocab.safetensors
+    summary = train(params, run_dir)   # reads <run>/hidden/{train,eval}, <run>/data/vocab.safetensors
 
 What is learned and how it is scored (soft labels, the TTT loss, held-out evaluation) is
 objective.py; feeding the batches (bucketing, padding, aux scaling) is batches.py. This module is
@@ -49,7 +49,7 @@ import torch
 import torch.nn as nn
 
 from .batches import Schedule, aux_scale, bucket_batches, fold_aux_scale, micro_batch_loader
-from .cache import MANIFEST, HiddenCache, check_cache
+from .cache import MANIFEST, HiddenCache, cache_params_hash, check_cache
 from .checkpoints import (
     last_good_checkpoint,
     latest_checkpoint,
@@ -66,6 +66,7 @@ from .memory import check_fits
 from .model import Eagle3Config, Eagle3Drafter
 from .muon import Muon
 from .objective import Scoring, add_feature_noise, build_scoring, heldout_scores, prepare_batch
+from .online import HiddenStateServer, online_train_cache, serving
 from .parallel import frozen_dtype, full_weights, mixed_precision, no_sync, reshard_units, wrap_model
 from .params import (
     Params,
@@ -91,28 +92,31 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
 
 
-def make_optimizers_for(model: nn.Module, t) -> list:
+def make_optimizers_for(model: nn.Module, train_params: TrainParams) -> list:
     """AdamW on everything trainable; with train.optimizer == "muon", Muon (muon_optimizer) on the
     2-D weights of fc and the decoder layer (lm_head, norms stay on AdamW). t: TrainParams."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if t.optimizer == "muon":
+    if train_params.optimizer == "muon":
         if not hasattr(torch.optim, "Muon"):
             raise RuntimeError("train.optimizer: muon needs torch.optim.Muon (torch >= 2.9)")
         is_muon = lambda n, p: p.dim() == 2 and ("midlayer." in n or n.endswith("fc.weight"))
         muon = [p for n, p in named if is_muon(n, p)]
         rest = [p for n, p in named if not is_muon(n, p)]
-        return [muon_optimizer(muon, t),
-                torch.optim.AdamW(rest, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))]
-    return [torch.optim.AdamW([p for _, p in named], lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))]
+        return [muon_optimizer(muon, train_params),
+                torch.optim.AdamW(rest, lr=train_params.lr, weight_decay=train_params.weight_decay, betas=(0.9, 0.95))]
+    return [torch.optim.AdamW([p for _, p in named], lr=train_params.lr, weight_decay=train_params.weight_decay,
+                              betas=(0.9, 0.95))]
 
 
-def muon_optimizer(params: list, t) -> torch.optim.Optimizer:
+def muon_optimizer(weights: list, train_params: TrainParams) -> torch.optim.Optimizer:
     """torch.optim.Muon (Newton-Schulz in bf16) where training runs in bf16; eagle3lib.muon.Muon
     with the iteration in fp32 where it runs in fp32 (train.dtype resolved): on a CPU without
     native bf16 torch's bf16 iteration took ~20 of a step's ~22 s (eagle3lib/muon.py)."""
-    if t.dtype == "bfloat16":
-        return torch.optim.Muon(params, lr=t.lr, weight_decay=t.weight_decay, adjust_lr_fn="match_rms_adamw")
-    return Muon(params, lr=t.lr, weight_decay=t.weight_decay, adjust_lr_fn="match_rms_adamw", ns_dtype=torch.float32)
+    if train_params.dtype == "bfloat16":
+        return torch.optim.Muon(weights, lr=train_params.lr, weight_decay=train_params.weight_decay,
+                                adjust_lr_fn="match_rms_adamw")
+    return Muon(weights, lr=train_params.lr, weight_decay=train_params.weight_decay, adjust_lr_fn="match_rms_adamw",
+                ns_dtype=torch.float32)
 
 
 # ==== what a resumption must match ==============================================================
@@ -125,12 +129,12 @@ RESUMABLE_CHANGES = {"resume", "time_budget_minutes", "checkpoint_every", "check
                      "pg_timeout_minutes", "verify_cache", "verify_sample"}
 
 
-def training_identity(P: Params, cache_fingerprint: Optional[str] = None) -> str:
+def training_identity(params: Params, cache_fingerprint: Optional[str] = None) -> str:
     """Hash of what determines the weights (train fields except RESUMABLE_CHANGES, seed, data,
     extraction, and the fingerprint of the hidden-state cache trained on when given): a checkpoint
     made under another identity is not resumed."""
-    train = {k: v for k, v in asdict(P.train).items() if k not in RESUMABLE_CHANGES}
-    payload = {"train": train, "data": P.section_hash("data", "extract")}
+    train = {k: v for k, v in asdict(params.train).items() if k not in RESUMABLE_CHANGES}
+    payload = {"train": train, "data": cache_params_hash(params)}
     if cache_fingerprint is not None:
         payload["cache"] = cache_fingerprint
     blob = json.dumps(payload, sort_keys=True, default=str)
@@ -160,8 +164,8 @@ class DivergenceGuard:
 
     diverge_steps consecutive bad steps of one kind raise TrainingDiverged (0: guard off)."""
 
-    def __init__(self, t: TrainParams, draft_vocab_size: int):
-        self.t = t
+    def __init__(self, train_params: TrainParams, draft_vocab_size: int):
+        self.train_params = train_params
         self.uniform_loss = math.log(draft_vocab_size)
         self.best = math.inf
         self.streaks = {"uniform": 0, "rise": 0, "vanished": 0}
@@ -169,15 +173,17 @@ class DivergenceGuard:
 
     def reasons(self, record: dict) -> dict:
         """Which criteria record (step, loss, step_loss, grad_norm) meets -> {kind: description}."""
-        t, loss = self.t, record["loss"]
+        train_params, loss = self.train_params, record["loss"]
         out = {}
-        if all(abs(l - self.uniform_loss) <= t.diverge_uniform_rtol * self.uniform_loss for l in record["step_loss"]):
+        rtol = train_params.diverge_uniform_rtol
+        if all(abs(l - self.uniform_loss) <= rtol * self.uniform_loss for l in record["step_loss"]):
             out["uniform"] = f"the loss stays at the uniform level log(Dv) = {self.uniform_loss:.4f} on every TTT step"
-        if self.best < math.inf and loss > t.diverge_loss_rise * self.best:
-            out["rise"] = (f"the loss ({loss:.4g}) stays above {t.diverge_loss_rise:g}x its running minimum "
+        if self.best < math.inf and loss > train_params.diverge_loss_rise * self.best:
+            out["rise"] = (f"the loss ({loss:.4g}) stays above {train_params.diverge_loss_rise:g}x its running minimum "
                            f"({self.best:.4g})")
-        if record["grad_norm"] <= t.diverge_grad_norm:
-            out["vanished"] = f"the gradient norm stays <= {t.diverge_grad_norm:g} ({record['grad_norm']:.3g})"
+        if record["grad_norm"] <= train_params.diverge_grad_norm:
+            out["vanished"] = (f"the gradient norm stays <= {train_params.diverge_grad_norm:g} "
+                               f"({record['grad_norm']:.3g})")
         return out
 
     def check(self, record: dict) -> Optional[tuple[str, int]]:
@@ -189,7 +195,7 @@ class DivergenceGuard:
             if kind in found:
                 self.first_bad[kind] = self.first_bad[kind] if self.streaks[kind] else record["step"]
                 self.streaks[kind] += 1
-                if self.t.diverge_steps and self.streaks[kind] >= self.t.diverge_steps:
+                if self.train_params.diverge_steps and self.streaks[kind] >= self.train_params.diverge_steps:
                     return found[kind], self.first_bad[kind]
             else:
                 self.streaks[kind] = 0
@@ -197,16 +203,17 @@ class DivergenceGuard:
 
 
 # ==== one optimizer step, the drafter ==========================================================
-def optimizer_step(model: nn.Module, optimizers: list, prepared: list, t, dist: Dist, amp) -> tuple:
+def optimizer_step(model: nn.Module, optimizers: list, prepared: list, train_params: TrainParams, dist: Dist,
+                   amp) -> tuple:
     """One optimizer step over this rank's prepared micro-batches (see prepare_batch).
     Losses are normalised by GLOBAL counts (all micro-batches of all ranks), so the update equals
     the one of a single process holding the whole global batch. Returns (loss, per-step stats
     [J, 3] summed over ranks, grad norm before clipping, global real tokens). A non-finite loss
     is returned without touching the weights."""
-    J = t.ttt_steps
+    J = train_params.ttt_steps
     counts = dist.all_sum(torch.stack([sum(b["counts"] for b in prepared),
                                        torch.full((J,), sum(b["tokens"] for b in prepared), dtype=torch.float64)]))
-    denom = (counts[0] if t.loss_average == "masked" else counts[1]).clamp(min=1)
+    denom = (counts[0] if train_params.loss_average == "masked" else counts[1]).clamp(min=1)
     device = prepared[0]["input_ids"].device
     stats = torch.zeros(J, 3, dtype=torch.float64)
     for i, batch in enumerate(prepared):
@@ -217,13 +224,13 @@ def optimizer_step(model: nn.Module, optimizers: list, prepared: list, t, dist: 
         stats += s.cpu()
     reshard_units(model)                  # before the optimizer changes the sharded weights
     stats = dist.all_sum(stats)
-    loss_value = float(sum((t.decay ** j) * stats[j, 0] / denom[j] for j in range(J)))
+    loss_value = float(sum((train_params.decay ** j) * stats[j, 0] / denom[j] for j in range(J)))
     if not math.isfinite(loss_value):
         for o in optimizers:
             o.zero_grad(set_to_none=True)
         return loss_value, stats, float("nan"), float(counts[1, 0])
-    params = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, train_params.grad_clip))
     for o in optimizers:
         o.step()
         o.zero_grad(set_to_none=True)
@@ -264,23 +271,24 @@ def init_from_target_layer(drafter: Eagle3Drafter, target_dir: Path, layer: int,
             drafter.fc.weight[:, 2 * H:] = torch.diag(diag)
 
 
-def build_drafter(P: Params, target_dir: Path, hidden_size: int, aux_layers: list, d2t, t2d,
+def build_drafter(params: Params, target_dir: Path, hidden_size: int, aux_layers: list, d2t, t2d,
                   scale: Optional[torch.Tensor] = None) -> Eagle3Drafter:
-    t = P.train
+    train_params = params.train
     hf = read_json(Path(target_dir) / "config.json")   # plain JSON: no transformers import needed
     config = Eagle3Config.from_target_config(
-        hf, d2t.numel(), aux_layers, norm_before_residual=t.norm_before_residual,
-        norm_before_fc=t.norm_before_fc, next_step_hidden=t.next_step_hidden)
+        hf, d2t.numel(), aux_layers, norm_before_residual=train_params.norm_before_residual,
+        norm_before_fc=train_params.norm_before_fc, next_step_hidden=train_params.next_step_hidden)
     if config.hidden_size != hidden_size:
         raise ValueError(f"hidden cache has H={hidden_size}, the target {target_dir} has H={config.hidden_size}")
-    torch.manual_seed(P.seed)
+    torch.manual_seed(params.seed)
     w = load_target_tensors(target_dir)
-    drafter = Eagle3Drafter.from_target_weights(config, d2t, t2d, w["embed"], w["lm_head"] if t.init_lm_head else None)
-    if t.init_from_layer is not None:
+    lm_head = w["lm_head"] if train_params.init_lm_head else None
+    drafter = Eagle3Drafter.from_target_weights(config, d2t, t2d, w["embed"], lm_head)
+    if train_params.init_from_layer is not None:
         hf_layers = (hf.get("text_config") or hf)["num_hidden_layers"]
-        layer = t.init_from_layer % hf_layers
+        layer = train_params.init_from_layer % hf_layers
         init_from_target_layer(drafter, target_dir, layer, scale)
-    if t.freeze_lm_head:
+    if train_params.freeze_lm_head:
         drafter.lm_head.weight.requires_grad_(False)
     return drafter
 
@@ -291,7 +299,7 @@ def build_drafter(P: Params, target_dir: Path, hidden_size: int, aux_layers: lis
 @dataclass
 class TrainRun:
     """One training run's state, made by setup() and advanced by the loop."""
-    P: Params
+    params: Params
     layout: RunLayout
     dist: Dist
     device: torch.device
@@ -316,8 +324,9 @@ class TrainRun:
         return self.scoring.objective.drafter.config
 
     def set_lr(self, step: int) -> float:
-        t = self.P.train
-        lr = t.lr * lr_factor(step, planned_warmup(t, self.total_steps), self.total_steps, t.min_lr_ratio)
+        train_params = self.params.train
+        warmup = planned_warmup(train_params, self.total_steps)
+        lr = train_params.lr * lr_factor(step, warmup, self.total_steps, train_params.min_lr_ratio)
         for o in self.optimizers:
             for g in o.param_groups:
                 g["lr"] = lr
@@ -341,51 +350,56 @@ def subset_of(usable: list, n: int, seed: int) -> list:
     return sorted(usable[k] for k in order[:n])
 
 
-def schedule(cache: HiddenCache, t: TrainParams, seed: int, world: int) -> tuple[list, int, int, int]:
+def schedule(cache: HiddenCache, train_params: TrainParams, seed: int, world: int) -> tuple[list, int, int, int]:
     """-> (usable sequence indices, micro-batches per step, steps per epoch, total steps)."""
     usable = [i for i, n in enumerate(cache.lengths) if n >= 3]
-    if t.max_sequences is not None:
-        usable = subset_of(usable, t.max_sequences, seed)
-    per_step = world * t.grad_accum
-    batches = bucket_batches([cache.lengths[i] for i in usable], t.batch_tokens, seed, 0)
+    if train_params.max_sequences is not None:
+        usable = subset_of(usable, train_params.max_sequences, seed)
+    per_step = world * train_params.grad_accum
+    batches = bucket_batches([cache.lengths[i] for i in usable], train_params.batch_tokens, seed, 0)
     steps_per_epoch = len(batches) // per_step
     if steps_per_epoch == 0:
         raise ValueError(f"{len(usable)} usable training sequences make fewer micro-batches than one "
                          f"optimizer step needs ({per_step} = ranks x grad_accum); lower train.batch_tokens")
-    total = t.max_steps or max(1, math.ceil(t.epochs * steps_per_epoch))
-    warmup = planned_warmup(t, total)
+    total = train_params.max_steps or max(1, math.ceil(train_params.epochs * steps_per_epoch))
+    warmup = planned_warmup(train_params, total)
     if warmup > max_warmup_steps(total):
         raise ValueError(f"train.warmup_steps: {warmup_problem(warmup, total, 'train.epochs of this cache')}")
     return usable, per_step, steps_per_epoch, total
 
 
-def setup(P: Params, layout: RunLayout, dist: Dist, device: torch.device) -> TrainRun:
+def setup(params: Params, layout: RunLayout, dist: Dist, device: torch.device,
+          server: Optional[HiddenStateServer] = None) -> TrainRun:
     """Data, drafter, scoring, optimizers and schedule; resumes from the newest checkpoint when
-    train.resume is on; the held-out batches of hidden/eval (none when that cache is missing)."""
-    t = P.train
+    train.resume is on; the held-out batches of hidden/eval (none when that cache is missing).
+    server: extract.mode online's vLLM server, which serves the train split's states."""
+    train_params = params.train
     # the caches must be this run's (params hash) and intact (train.verify_cache, hashed once per
-    # cache, the ranks sharing the hashing)
-    cache = check_cache(P, layout, "train", dist)
-    eval_cache = check_cache(P, layout, "eval", dist) \
+    # cache, the ranks sharing the hashing); online, the train split's states come from the server
+    cache = online_train_cache(params, layout, server) if server is not None else check_cache(params, layout,
+                                                                                              "train", dist)
+    eval_cache = check_cache(params, layout, "eval", dist) \
         if (layout.hidden("eval") / MANIFEST).is_file() else None
     d2t, t2d = load_vocab(layout.vocab)
-    scale = aux_scale(cache) if t.fc_input_scaling else None                # [3, H] or None
+    scale = aux_scale(cache) if train_params.fc_input_scaling else None     # [3, H] or None
     # noise is in units of s: the batch already holds aux / s when fc_input_scaling is on
-    noise_scale = aux_scale(cache) if t.feature_noise > 0 and not t.fc_input_scaling else None
-    drafter = build_drafter(P, target_path(P), cache.hidden_size, cache.aux_layers, d2t, t2d, scale).to(device)
-    drafter.embed_tokens.to(frozen_dtype(t, device))
-    drafter.configure_training(t.attention, t.activation_checkpointing, device)
-    scoring = build_scoring(P, layout, drafter, device, scale=scale, compile=t.compile)
-    model = wrap_model(scoring.objective, t.distributed, dist, mixed_precision(t, device))
-    optimizers = make_optimizers_for(model, t)
-    usable, per_step, steps_per_epoch, total_steps = schedule(cache, t, P.seed, dist.world)
+    feature_noise = train_params.feature_noise > 0 and not train_params.fc_input_scaling
+    noise_scale = aux_scale(cache) if feature_noise else None
+    drafter = build_drafter(params, target_path(params), cache.hidden_size, cache.aux_layers, d2t, t2d,
+                            scale).to(device)
+    drafter.embed_tokens.to(frozen_dtype(train_params, device))
+    drafter.configure_training(train_params.attention, train_params.activation_checkpointing, device)
+    scoring = build_scoring(params, layout, drafter, device, scale=scale, compile=train_params.compile)
+    model = wrap_model(scoring.objective, train_params.distributed, dist, mixed_precision(train_params, device))
+    optimizers = make_optimizers_for(model, train_params)
+    usable, per_step, steps_per_epoch, total_steps = schedule(cache, train_params, params.seed, dist.world)
     fingerprint = cache_fingerprint(cache, eval_cache)
-    run = TrainRun(P, layout, dist, device, cache, usable, [cache.lengths[i] for i in usable], scoring, noise_scale,
-                   model, optimizers, steps_per_epoch, per_step, total_steps,
-                   training_identity(P, fingerprint), fingerprint)
+    run = TrainRun(params, layout, dist, device, cache, usable, [cache.lengths[i] for i in usable], scoring,
+                   noise_scale, model, optimizers, steps_per_epoch, per_step, total_steps,
+                   training_identity(params, fingerprint), fingerprint)
     resume(run)
     if eval_cache is not None:       # each rank prepares its share of the held-out set (heldout_batches)
-        run.eval_batches = scoring.heldout(eval_cache, t.eval_sequences, t.batch_tokens, device,
+        run.eval_batches = scoring.heldout(eval_cache, train_params.eval_sequences, train_params.batch_tokens, device,
                                            dist.rank, dist.world)
     return run
 
@@ -395,15 +409,16 @@ def heldout_eval(run: TrainRun) -> dict:
     set, the sums are reduced over ranks (the same numbers as one process scoring all of it)."""
     def sum_over_ranks(x: torch.Tensor) -> torch.Tensor:
         return run.dist.all_sum(x.to(run.device)).cpu()              # NCCL reduces on the GPU
-    return heldout_scores(run.model, run.eval_batches, run.P.train.ttt_steps, run.scoring.amp, reduce=sum_over_ranks)
+    return heldout_scores(run.model, run.eval_batches, run.params.train.ttt_steps, run.scoring.amp,
+                          reduce=sum_over_ranks)
 
 
 def resume(run: TrainRun) -> None:
     """Continue from the newest checkpoint (train.resume) after checking that it was made with the
     same schedule, params and hidden-state cache; without train.resume, delete the checkpoints."""
     ckpt_root = run.layout.checkpoints
-    ckpt = latest_checkpoint(ckpt_root) if run.P.train.resume else None
-    if not run.P.train.resume and run.dist.rank == 0 and ckpt_root.exists():
+    ckpt = latest_checkpoint(ckpt_root) if run.params.train.resume else None
+    if not run.params.train.resume and run.dist.rank == 0 and ckpt_root.exists():
         remove_tree(ckpt_root, under=run.layout.root)
     run.dist.barrier()
     if ckpt is None:
@@ -433,16 +448,16 @@ def resume(run: TrainRun) -> None:
 def train_step(run: TrainRun, batches: Iterator[dict]) -> tuple[dict, float]:
     """One optimizer step on global batch run.step -> (record, global real tokens). batches: this
     rank's collated micro-batches from run.step on (loader), grad_accum of them per step."""
-    P, t, dist = run.P, run.P.train, run.dist
+    params, train_params, dist = run.params, run.params.train, run.dist
     mine = [next(batches) for _ in range(run.per_step // dist.world)]  # a disjoint slice per rank
-    prepared = [prepare_batch(batch, run.scoring.head, t.ttt_steps, run.device, run.scoring.scale,
-                              exact_top1=False, all_positions=t.label_positions == "all") for batch in mine]
-    if t.feature_noise > 0:                                        # after the labels: they stay exact
-        prepared = [add_feature_noise(b, t.feature_noise, run.noise_scale,
-                                      P.seed * 1009 + dist.rank * 101 + i, run.step)
+    prepared = [prepare_batch(batch, run.scoring.head, train_params.ttt_steps, run.device, run.scoring.scale,
+                              exact_top1=False, all_positions=train_params.label_positions == "all") for batch in mine]
+    if train_params.feature_noise > 0:                             # after the labels: they stay exact
+        prepared = [add_feature_noise(b, train_params.feature_noise, run.noise_scale,
+                                      params.seed * 1009 + dist.rank * 101 + i, run.step)
                     for i, b in enumerate(prepared)]
     lr = run.set_lr(run.step)
-    loss_value, stats, grad_norm, tokens = optimizer_step(run.model, run.optimizers, prepared, t, dist,
+    loss_value, stats, grad_norm, tokens = optimizer_step(run.model, run.optimizers, prepared, train_params, dist,
                                                           run.scoring.amp)
     if not math.isfinite(loss_value):
         raise FloatingPointError(f"train step {run.step}: loss is {loss_value} (non-finite); lower "
@@ -457,11 +472,11 @@ def train_step(run: TrainRun, batches: Iterator[dict]) -> tuple[dict, float]:
 def loader(run: TrainRun):
     """This rank's micro-batches from run.step to the end (batches.micro_batch_loader): the same
     order as an uninterrupted run; train.num_workers worker processes, pinned memory on CUDA."""
-    t = run.P.train
-    plan = Schedule(tuple(run.lengths), t.batch_tokens, run.P.seed, run.per_step, run.steps_per_epoch,
+    train_params = run.params.train
+    plan = Schedule(tuple(run.lengths), train_params.batch_tokens, run.params.seed, run.per_step, run.steps_per_epoch,
                     run.total_steps)
     return micro_batch_loader(run.cache, run.usable, plan, run.dist.rank, run.dist.world, run.step,
-                              t.num_workers, pin_memory=run.device.type == "cuda")
+                              train_params.num_workers, pin_memory=run.device.type == "cuda")
 
 
 def stop_if_diverged(run: TrainRun, guard: DivergenceGuard, record: dict) -> None:
@@ -472,7 +487,7 @@ def stop_if_diverged(run: TrainRun, guard: DivergenceGuard, record: dict) -> Non
     good = last_good_checkpoint(run.layout.checkpoints, first_bad)
     raise TrainingDiverged(
         f"train step {record['step']} (lr {record['lr']:.3g}): the run diverged: {what} since step {first_bad} "
-        f"({run.P.train.diverge_steps} steps, train.diverge_steps). Last good checkpoint: "
+        f"({run.params.train.diverge_steps} steps, train.diverge_steps). Last good checkpoint: "
         f"{good or 'none kept'}. Lower train.lr (or raise train.warmup_steps) and restart with "
         "train.resume: false, or resume from that checkpoint after deleting the newer ones; "
         "the thresholds are train.diverge_* (diverge_steps: 0 turns the guard off)")
@@ -492,13 +507,13 @@ def loop(run: TrainRun, progress: bool, callback: Optional[Callable]) -> tuple[s
     """Optimizer steps until total_steps or the time budget; a checkpoint (and a held-out
     evaluation) every checkpoint_interval steps, after checkpoint_minutes, and at the end.
     -> (stopped_by, tokens, seconds)."""
-    t, dist = run.P.train, run.dist
+    train_params, dist = run.params.train, run.dist
     rank0 = dist.rank == 0
-    tracker = open_tracker(t.tracking, run.layout, dist.rank, asdict(t))
-    guard = DivergenceGuard(t, run.config.draft_vocab_size)
+    tracker = open_tracker(train_params.tracking, run.layout, dist.rank, asdict(train_params))
+    guard = DivergenceGuard(train_params, run.config.draft_vocab_size)
     bar = tqdm(total=run.total_steps, initial=run.step, desc="train", disable=not (progress and rank0))
     t0, tokens_seen, stopped_by = time.time(), 0.0, "steps"
-    every, last_saved = checkpoint_interval(t, run.total_steps), time.time()
+    every, last_saved = checkpoint_interval(train_params, run.total_steps), time.time()
     batches = iter(loader(run))
     run.model.train()
     while run.step < run.total_steps:
@@ -506,10 +521,11 @@ def loop(run: TrainRun, progress: bool, callback: Optional[Callable]) -> tuple[s
         tokens_seen += tokens
         record["tokens_per_s"] = tokens_seen / max(1e-9, time.time() - t0)
         stop_if_diverged(run, guard, record)
-        out_of_time = t.time_budget_minutes is not None and time.time() - t0 > 60 * t.time_budget_minutes
+        budget_minutes = train_params.time_budget_minutes
+        out_of_time = budget_minutes is not None and time.time() - t0 > 60 * budget_minutes
         out_of_time = dist.broadcast_flag(out_of_time)
-        by_clock = t.checkpoint_minutes is not None and \
-            dist.broadcast_flag(time.time() - last_saved > 60 * t.checkpoint_minutes)
+        by_clock = train_params.checkpoint_minutes is not None and \
+            dist.broadcast_flag(time.time() - last_saved > 60 * train_params.checkpoint_minutes)
         due = run.step % every == 0 or run.step == run.total_steps or out_of_time or by_clock
         if run.eval_batches and due:
             record["eval"] = heldout_eval(run)
@@ -532,7 +548,7 @@ def finish(run: TrainRun, stopped_by: str, tokens_seen: float, seconds: float) -
     """final/ (the drafter with the aux scale folded into fc), summary.json, history.json."""
     full = full_weights(run.model)
     drafter_state = {k[len("drafter."):]: v for k, v in full.items() if k.startswith("drafter.")}
-    history, L = run.history, run.layout
+    history, layout = run.history, run.layout
     evals = [r for r in history if "eval" in r]
     summary = {"steps": run.step, "total_steps": run.total_steps, "stopped_by": stopped_by,
                "steps_per_epoch": run.steps_per_epoch, "epochs_done": run.step / run.steps_per_epoch,
@@ -541,19 +557,19 @@ def finish(run: TrainRun, stopped_by: str, tokens_seen: float, seconds: float) -
                "train_step_acc": history[-1]["step_acc"] if history else None,
                "eval": evals[-1]["eval"] if evals else None,
                "tokens_per_s_this_run": tokens_seen / max(1e-9, seconds),
-               "checkpoint": str(latest_checkpoint(L.checkpoints)), "final_dir": str(L.final)}
+               "checkpoint": str(latest_checkpoint(layout.checkpoints)), "final_dir": str(layout.final)}
     if run.dist.rank == 0:
-        summary["target"] = target_fingerprint(target_path(run.P))   # checked by export and eval
+        summary["target"] = target_fingerprint(target_path(run.params))  # checked by export and eval
         # final/ computes fc(aux) on raw aux (the full state exists on rank 0 only)
-        save_final(L.final, fold_aux_scale(drafter_state, run.scoring.scale), run.config, summary)
-        atomic_write_json(L.summary, summary)
-        atomic_write_json(L.history, history)
-        update_metrics(L.root, "train", train_metrics(summary, history, run.P.train))
+        save_final(layout.final, fold_aux_scale(drafter_state, run.scoring.scale), run.config, summary)
+        atomic_write_json(layout.summary, summary)
+        atomic_write_json(layout.history, history)
+        update_metrics(layout.root, "train", train_metrics(summary, history, run.params.train))
     run.dist.barrier()
     return summary
 
 
-def train_metrics(summary: dict, history: list, t: TrainParams) -> dict:
+def train_metrics(summary: dict, history: list, train_params: TrainParams) -> dict:
     """metrics.json's "train" section: steps, why it stopped, the last loss, the held-out per-step
     accuracy and acceptance (estimated and replayed), the last training speed."""
     ev = summary.get("eval") or {}
@@ -567,11 +583,11 @@ def train_metrics(summary: dict, history: list, t: TrainParams) -> dict:
             "eval_acceptance_estimate": rounded(ev.get("acceptance_estimate")),
             "eval_acceptance_replayed": rounded(ev.get("acceptance_replayed")),
             "train_tokens_per_s": rounded(speed[-1] if speed else None, 1),
-            "ttt_steps": t.ttt_steps, "dtype": t.dtype, "world_size": summary["world_size"],
+            "ttt_steps": train_params.ttt_steps, "dtype": train_params.dtype, "world_size": summary["world_size"],
             "final_dir": summary["final_dir"]}
 
 
-def train(P: Params, run_dir, progress: bool = True, callback: Optional[Callable] = None,
+def train(params: Params, run_dir, progress: bool = True, callback: Optional[Callable] = None,
           links_within=None) -> dict:
     """Train (or resume) the drafter of run `run_dir`; returns a summary dict.
 
@@ -582,21 +598,23 @@ def train(P: Params, run_dir, progress: bool = True, callback: Optional[Callable
     train.gpu_memory_gb and the memory model says a step does not fit (memory.check_fits).
     links_within: the folder links in `run_dir` may point into (default `run_dir`; a 06_scaling
     point passes its enclosing run, whose data/ and hidden/ it links to)."""
-    check_fits(P)
+    check_fits(params)
     check_run_links(run_dir, links_within)   # no write or delete may go through a link out of the run
-    dist = Dist(timeout_minutes=P.train.pg_timeout_minutes)
+    dist = Dist(timeout_minutes=params.train.pg_timeout_minutes)
     try:
-        if dist.world > 1 and P.train.distributed == "none":
+        if dist.world > 1 and params.train.distributed == "none":
             raise RuntimeError("launched under torchrun with several processes but train.distributed is none; "
                                "set train.distributed to ddp or fsdp")
-        run = setup(P, RunLayout(run_dir), dist, dist.device("auto"))
-        if progress and dist.rank == 0:
-            d = run.scoring.objective.drafter
-            print(f"TTT attention: {d.attention_impl} (train.attention: {P.train.attention}, device "
-                  f"{run.device.type}) | activation checkpointing: {d.activation_checkpointing}")
-        if progress and dist.rank == 0 and run.step:
-            print(f"resumed from {latest_checkpoint(run.layout.checkpoints)} (step {run.step}/{run.total_steps})")
-        return finish(run, *loop(run, progress, callback))
+        layout = RunLayout(run_dir)
+        with serving(params, layout, dist.world) as server:       # extract.mode online: vLLM serves the states
+            run = setup(params, layout, dist, dist.device("auto"), server)
+            if progress and dist.rank == 0:
+                d = run.scoring.objective.drafter
+                print(f"TTT attention: {d.attention_impl} (train.attention: {params.train.attention}, device "
+                      f"{run.device.type}) | activation checkpointing: {d.activation_checkpointing}")
+            if progress and dist.rank == 0 and run.step:
+                print(f"resumed from {latest_checkpoint(run.layout.checkpoints)} (step {run.step}/{run.total_steps})")
+            return finish(run, *loop(run, progress, callback))
     finally:
         dist.close()
 
@@ -604,7 +622,7 @@ def train(P: Params, run_dir, progress: bool = True, callback: Optional[Callable
 # ==== command line (the entry point for torchrun) ==============================================
 def torchrun_command(params_path, run_name: Optional[str], nproc: int) -> list:
     """The command that trains run `run_name` with `nproc` processes on this machine:
-    torchrun --standalone --nproc-per-node N -m eagle3lib.train --params P [--run-name R]."""
+    torchrun --standalone --nproc-per-node N -m eagle3lib.train --params PROFILE [--run-name R]."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "eagle3lib.train", "--params", str(params_path)]
     return cmd + (["--run-name", run_name] if run_name else [])
@@ -617,12 +635,12 @@ def main(argv=None) -> int:
     ap.add_argument("--run-name", default=None)
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
-    P = load_params(a.params)
-    run_dir = P.run_dir(a.run_name)
+    params = load_params(a.params)
+    run_dir = params.run_dir(a.run_name)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     # one lock per run folder, held by rank 0 (a child of `eagle3 run` enters the runner's lock)
     with run_lock(run_dir) if rank0 else contextlib.nullcontext():
-        summary = train(P, run_dir, progress=not a.no_progress)
+        summary = train(params, run_dir, progress=not a.no_progress)
     if rank0:
         from .report import write_index  # the index page the notebook route leaves too
         write_index(run_dir)

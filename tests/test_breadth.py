@@ -12,7 +12,7 @@ from eagle3lib import domains
 from eagle3lib import evaluate as ev
 from eagle3lib import verdict as V
 from eagle3lib.params import load_params
-from eagle3lib.vllm_bench import PER_POS_METRIC, SPEC_METRICS, _measure, _run_group
+from eagle3lib.vllm_bench import PER_POS_METRIC, SPEC_METRICS, BenchSpec, GroupSpec, _measure, _run_group, mode
 
 
 class CharTok:
@@ -79,9 +79,9 @@ CHATS = [{"id": f"c{i}", "category": "all", "input_ids": [i + 1] * 4} for i in r
 
 
 def test_breadth_groups_cover_every_domain_and_temperature_but_the_main_run():
-    P = load_params("params/ci.yaml", {"eval": {"sample_temperatures": [0.7, 1.0], "breadth_prompts": 2,
+    params = load_params("params/ci.yaml", {"eval": {"sample_temperatures": [0.7, 1.0], "breadth_prompts": 2,
                                                   "max_prompt_tokens": None}})
-    groups = ev.breadth_groups(P, setup_with(CHATS))
+    groups = ev.breadth_groups(params, setup_with(CHATS))
     assert [g["name"] for g in groups] == ["chat@T0.7", "chat@T1", "humaneval@T0", "humaneval@T0.7",
                                            "humaneval@T1"]
     assert [p["id"] for p in groups[0]["prompts"]] == ["c0", "c1"]        # the first breadth_prompts chats
@@ -135,10 +135,10 @@ def test_each_group_counts_only_its_own_requests():
                       (70, 70, [35, 35]),                   # group B warm-up
                       (2, 2, [1, 1])],                      # group B: 2 drafts, 2 accepted
                      repeat_tokens=[None, None, None, None, [9, 9, 9, 9, 9], [9, 9, 9, 9, 9]])
-    spec = {"max_new_tokens": 16, "seed": 5}
-    main = _measure(llm, ["m"], "greedy", False)
-    a = _run_group(llm, spec, {"name": "A", "prompts": [[1], [2]], "temperature": 0.7}, sampling_params)
-    b = _run_group(llm, spec, {"name": "B", "prompts": [[3]], "temperature": 1.0}, sampling_params)
+    spec = BenchSpec(target="unused", prompts=[[0]], max_new_tokens=16, modes=[mode("plain")], seed=5)
+    main = _measure(llm, ["m"], "greedy", False).to_json()
+    a = _run_group(llm, spec, GroupSpec(name="A", prompts=[[1], [2]], temperature=0.7), sampling_params).to_json()
+    b = _run_group(llm, spec, GroupSpec(name="B", prompts=[[3]], temperature=1.0), sampling_params).to_json()
     assert (main["num_drafts"], main["num_accepted"]) == (9, 9)
     assert (a["name"], a["temperature"], a["num_drafts"], a["num_draft_tokens"], a["num_accepted"]) == \
         ("A", 0.7, 10, 20, 5)
@@ -187,22 +187,22 @@ def raw_result(eagle_code_outputs=((1, 2), (3, 4)), eagle_chat_sampled=((7,), (8
 
 
 def test_breadth_summary_compares_with_plain_in_the_same_group():
-    P = load_params("params/ci.yaml")
-    table = ev.breadth_summary(raw_result(), GROUPS, P).set_index(["domain", "temperature", "method"])
+    params = load_params("params/ci.yaml")
+    table = ev.breadth_summary(raw_result(), GROUPS, params).set_index(["domain", "temperature", "method"])
     assert table.loc[("chat", 0.0, "ngram_k2"), "speedup"] == pytest.approx(1.5)       # 15 / 10
     assert table.loc[("humaneval", 0.0, "eagle3_k2"), "speedup"] == pytest.approx(2.5)  # 50 / 20, not 50 / 10
     assert table.loc[("chat", 0.7, "eagle3_k2"), "speedup"] == pytest.approx(1.5)       # 12 / 8
     assert table.loc[("humaneval", 0.0, "eagle3_k2"), "acceptance_length"] == pytest.approx(2.5)
     assert table.loc[("humaneval", 0.0, "plain"), "prompts"] == 2
-    shown = ev.breadth_table(ev.breadth_summary(raw_result(), GROUPS, P))
+    shown = ev.breadth_table(ev.breadth_summary(raw_result(), GROUPS, params))
     assert {"decode tokens/s", "speedup (x plain)", "acceptance length (tokens/round)"} <= set(shown.columns)
     with pytest.raises(ValueError, match="same groups"):
-        ev.breadth_summary(raw_result(), GROUPS + [{"name": "chat@T1", "domain": "chat", "temperature": 1.0}], P)
+        ev.breadth_summary(raw_result(), GROUPS + [{"name": "chat@T1", "domain": "chat", "temperature": 1.0}], params)
 
 
 def test_breadth_verdict_names_the_winner_of_each_group():
-    P = load_params("params/ci.yaml")
-    text = V.breadth_verdict(ev.breadth_summary(raw_result(), GROUPS, P))
+    params = load_params("params/ci.yaml")
+    text = V.breadth_verdict(ev.breadth_summary(raw_result(), GROUPS, params))
     lines = text.splitlines()
     assert len(lines) == 3
     assert lines[0].startswith("chat, T=0: ngram_k2 wins (ngram_k2 1.50x plain")
@@ -211,34 +211,34 @@ def test_breadth_verdict_names_the_winner_of_each_group():
     # the numbers decide: a slower eagle3 on code hands the group to n-gram; equal ones tie
     raw = raw_result()
     raw["modes"][2]["groups"][0]["decode_tokens_per_s"] = 15.0
-    assert "humaneval, T=0: ngram_k2 wins" in V.breadth_verdict(ev.breadth_summary(raw, GROUPS, P))
+    assert "humaneval, T=0: ngram_k2 wins" in V.breadth_verdict(ev.breadth_summary(raw, GROUPS, params))
     raw["modes"][2]["groups"][0]["decode_tokens_per_s"] = 30.5
-    verdict = V.breadth_verdict(ev.breadth_summary(raw, GROUPS, P))
+    verdict = V.breadth_verdict(ev.breadth_summary(raw, GROUPS, params))
     assert "humaneval, T=0: eagle3_k2 and ngram_k2 tie ahead of plain" in verdict
     raw["modes"][1]["groups"][1]["decode_tokens_per_s"] = 4.0
     raw["modes"][2]["groups"][1]["decode_tokens_per_s"] = 6.0
-    assert "chat, T=0.7: plain decoding wins" in V.breadth_verdict(ev.breadth_summary(raw, GROUPS, P))
+    assert "chat, T=0.7: plain decoding wins" in V.breadth_verdict(ev.breadth_summary(raw, GROUPS, params))
     # a method whose seeded repeat gave other tokens: the group is no valid measurement, no winner named
-    text = V.breadth_verdict(ev.breadth_summary(raw_result(eagle_sampled_repeat=False), GROUPS, P))
+    text = V.breadth_verdict(ev.breadth_summary(raw_result(eagle_sampled_repeat=False), GROUPS, params))
     assert "chat, T=0.7: NOT A VALID MEASUREMENT for eagle3_k2: a repeat of a seeded request" in text
     assert "chat, T=0.7: eagle3_k2 wins" not in text and "humaneval, T=0: eagle3_k2 wins" in text
 
 
 def test_breadth_same_output_is_asserted_at_t0_only():
-    P = load_params("params/ci.yaml", {"eval": {"vllm_dtype": "float32"}})
-    report = ev.check_breadth_same_output(raw_result(), GROUPS, P)
+    params = load_params("params/ci.yaml", {"eval": {"vllm_dtype": "float32"}})
+    report = ev.check_breadth_same_output(raw_result(), GROUPS, params)
     assert "humaneval@T0: vLLM same output as plain on every prompt" in report
     assert "not compared (sampled, T > 0): chat@T0.7" in report
     # planted fault: eagle3's code output differs on the second prompt at its second token
     with pytest.raises(AssertionError, match=r"eagle3_k2 on prompt 'HumanEval/1' \(first difference at new token 1\)"):
-        ev.check_breadth_same_output(raw_result(eagle_code_outputs=((1, 2), (3, 5))), GROUPS, P)
+        ev.check_breadth_same_output(raw_result(eagle_code_outputs=((1, 2), (3, 5))), GROUPS, params)
     # the sampled group differs from plain (tokens 7, 8 vs 7, 9 for ngram) and is not asserted
-    ev.check_breadth_same_output(raw_result(eagle_chat_sampled=((1,), (2,))), GROUPS, P)
+    ev.check_breadth_same_output(raw_result(eagle_chat_sampled=((1,), (2,))), GROUPS, params)
 
 
 def test_breadth_metrics_are_stored_under_their_own_key(tmp_path):
-    P = load_params("params/ci.yaml")
-    table = ev.breadth_summary(raw_result(), GROUPS, P)
+    params = load_params("params/ci.yaml")
+    table = ev.breadth_summary(raw_result(), GROUPS, params)
     breadth = ev.breadth_metrics(table, GROUPS, max_new_tokens=16)
     assert list(breadth["groups"]) == ["chat@T0", "chat@T0.7", "humaneval@T0"]
     code = breadth["groups"]["humaneval@T0"]
@@ -260,8 +260,8 @@ def test_breadth_metrics_are_stored_under_their_own_key(tmp_path):
 def test_breadth_plot_has_one_bar_per_group_and_method():
     import matplotlib
     matplotlib.use("Agg")
-    P = load_params("params/ci.yaml")
-    fig = V.plot_breadth(ev.breadth_summary(raw_result(), GROUPS, P))
+    params = load_params("params/ci.yaml")
+    fig = V.plot_breadth(ev.breadth_summary(raw_result(), GROUPS, params))
     speed = fig.axes[0]
     assert len(speed.patches) == 3 * 2                                  # 3 (domain, T) groups x 2 methods
     assert sorted(round(p.get_height(), 3) for p in speed.patches) == [1.0, 1.3, 1.5, 1.5, 1.5, 2.5]

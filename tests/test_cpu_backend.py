@@ -59,9 +59,9 @@ def test_engine_kwargs_carry_the_choice_to_every_stage(tmp_path, monkeypatch, fl
     (model / "config.json").write_text(json.dumps({"kv_lora_rank": 512}))
     monkeypatch.setattr(engine, "cpu_flags", lambda: flags)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    P = load_params("params/ci.yaml", overrides={"target": {"dtype": "float32"}})
+    params = load_params("params/ci.yaml", overrides={"target": {"dtype": "float32"}})
     for stage in engine.STAGES:
-        kw = engine_kwargs(P, stage, model, 200)
+        kw = engine_kwargs(params, stage, model, 200)
         assert kw.get("attention_backend") == expected, stage
         assert build_kwargs(**{k: v for k, v in kw.items() if k != "tokenizer"}) == kw
-    assert "attention_backend" not in engine_kwargs(P, "eval", model, 200, dtype="bfloat16")
+    assert "attention_backend" not in engine_kwargs(params, "eval", model, 200, dtype="bfloat16")

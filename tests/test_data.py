@@ -17,8 +17,8 @@ from eagle3lib.regenerate import load_results, regen_key, regenerate_chats, writ
 END = "<|im_end|>"
 
 
-def regen_dir(P, run_dir):
-    return RunLayout(run_dir).regen(regen_key(P))
+def regen_dir(params, run_dir):
+    return RunLayout(run_dir).regen(regen_key(params))
 
 
 def results_by_id(out_dir):
@@ -437,9 +437,9 @@ def test_streaming_regeneration_equals_the_batched_turn_loop(tok, tmp_path):
 
 def test_regenerate_hf_resumes(tiny_target_dir, tmp_path):
     # Sampling: the random tiny model's greedy answer is whitespace (it repeats "\n").
-    P = tiny_params(tiny_target_dir, tmp_path, regen_max_turns=2, regen_temperature=1.0)
+    params = tiny_params(tiny_target_dir, tmp_path, regen_max_turns=2, regen_temperature=1.0)
     run_dir = tmp_path / "run"
-    kept, stats = regenerate_chats(P, run_dir, REGEN_CHATS[:2], progress=False)
+    kept, stats = regenerate_chats(params, run_dir, REGEN_CHATS[:2], progress=False)
     assert stats["regenerated"] == 2 and stats["from_cache"] == 0
     assert stats["kept"] + stats["dropped_empty"] + stats["dropped_too_long"] == 2
     assert stats["kept"] >= 1
@@ -456,9 +456,9 @@ def test_regenerate_hf_resumes(tiny_target_dir, tmp_path):
         assert all(not m.get("capped") or i == len(msgs) - 1 for i, m in enumerate(msgs))
 
     # Resume: the finished chats come from the chunk files, only "c" is generated.
-    out_dir = regen_dir(P, run_dir)
+    out_dir = regen_dir(params, run_dir)
     chunk_files = {p: p.read_bytes() for p in out_dir.glob("chunk-*.jsonl")}
-    kept2, stats2 = regenerate_chats(P, run_dir, REGEN_CHATS, progress=False)
+    kept2, stats2 = regenerate_chats(params, run_dir, REGEN_CHATS, progress=False)
     assert stats2["from_cache"] == 2 and stats2["regenerated"] == 1 and stats2["conversations"] == 3
     assert {c["id"]: c["messages"] for c in kept2 if c["id"] != "c"} == by_id
     assert all(p.read_bytes() == b for p, b in chunk_files.items())
@@ -466,29 +466,29 @@ def test_regenerate_hf_resumes(tiny_target_dir, tmp_path):
 
 def test_regenerate_keeps_results_from_an_interrupted_run(tiny_target_dir, tmp_path):
     """A killed run leaves finished chunk files: a rerun must keep them, not redo them."""
-    P = tiny_params(tiny_target_dir, tmp_path, regen_temperature=1.0)
+    params = tiny_params(tiny_target_dir, tmp_path, regen_temperature=1.0)
     run_dir = tmp_path / "run"
-    out_dir = regen_dir(P, run_dir)
+    out_dir = regen_dir(params, run_dir)
     out_dir.mkdir(parents=True)
     from eagle3lib.chat_template import prompt_ids
     from eagle3lib.target import load_tokenizer
     tok = load_tokenizer(tiny_target_dir)
     prompt = prompt_ids(tok, REGEN_CHATS[1]["messages"][:2])
     answer, _ = reply_ids(tok, "CACHED ANSWER", False)
-    cached = {"id": "b", "key": D_regen.prompt_key(REGEN_CHATS[1], P.data.regen_max_turns),
+    cached = {"id": "b", "key": D_regen.prompt_key(REGEN_CHATS[1], params.data.regen_max_turns),
               "messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "CACHED ANSWER"}],
               "status": "ok", "turns": 1, "new_tokens": 3, "capped": False, "empty_outputs": 0,
               "inconsistent": False, "prompt_ids": [prompt], "output_ids": [answer]}
     write_chunk(out_dir, [cached])
     (out_dir / ".chunk-half.jsonl.tmp").write_text('{"id": "c", "mess')  # a write that was killed
-    kept, stats = regenerate_chats(P, run_dir, REGEN_CHATS, progress=False)
+    kept, stats = regenerate_chats(params, run_dir, REGEN_CHATS, progress=False)
     assert stats["from_cache"] == 1 and stats["regenerated"] == 2
     assert {c["id"]: c for c in kept}["b"]["messages"][1]["content"] == "CACHED ANSWER"
     assert {c["id"]: c for c in kept}["b"]["input_ids"] == prompt + answer   # the stored ids, not a re-render
     assert set(results_by_id(out_dir)) == {"a", "b", "c"}
     # Other settings -> another folder, nothing reused.
-    P2 = tiny_params(tiny_target_dir, tmp_path, regen_max_new_tokens=3)
-    assert regen_dir(P2, run_dir) != out_dir
+    params2 = tiny_params(tiny_target_dir, tmp_path, regen_max_new_tokens=3)
+    assert regen_dir(params2, run_dir) != out_dir
 
 
 # ---- the whole stage ----------------------------------------------------------------------
@@ -497,11 +497,11 @@ def test_prepare_data_local_jsonl(tiny_target_dir, tmp_path):
                    id=f"f{i}") for i in range(14)]
     recs += [openai(("user", "q")), "{broken"]
     src = write_jsonl(tmp_path / "facts.jsonl", recs)
-    P = tiny_params(tiny_target_dir, tmp_path, source=str(src), max_records=None, num_eval=3,
-                    num_train=6, regenerate=False)
-    run_dir = P.run_dir("t")
-    before = D.load_eval_prompts(P, run_dir)        # no prepare_data yet: computed from the split
-    stats = D.prepare_data(P, run_dir, progress=False)
+    params = tiny_params(tiny_target_dir, tmp_path, source=str(src), max_records=None, num_eval=3,
+                         num_train=6, regenerate=False)
+    run_dir = params.run_dir("t")
+    before = D.load_eval_prompts(params, run_dir)   # no prepare_data yet: computed from the split
+    stats = D.prepare_data(params, run_dir, progress=False)
     assert not stats.cached
     assert stats.records_read == 16 and stats.malformed == {"invalid_json": 1, "no_assistant_turn": 1}
     assert stats.train.conversations == 6 and stats.eval.conversations == 3
@@ -510,7 +510,7 @@ def test_prepare_data_local_jsonl(tiny_target_dir, tmp_path):
     assert len(train) == 6 and len(ev) == 3
     assert not set(train["conv_id"]) & set(ev["conv_id"])
     assert sum(map(sum, train["loss_mask"])) == stats.train.assistant_tokens
-    prompts = D.load_eval_prompts(P, run_dir)
+    prompts = D.load_eval_prompts(params, run_dir)
     assert prompts == before and [p["id"] for p in prompts] == ev["conv_id"]
     assert prompts[0]["messages"][-1]["role"] == "user" and prompts[0]["category"] is None
     from eagle3lib.vocab import load_vocab
@@ -518,26 +518,26 @@ def test_prepare_data_local_jsonl(tiny_target_dir, tmp_path):
     assert d2t.numel() == 64 and t2d.numel() == 49152
     assert stats.coverage_train == 1.0   # fewer than 64 distinct assistant tokens
     # Cached: same params -> no rebuild; other params -> rebuild.
-    again = D.prepare_data(P, run_dir, progress=False)
+    again = D.prepare_data(params, run_dir, progress=False)
     assert again.cached and again.cache_key == stats.cache_key
-    P2 = tiny_params(tiny_target_dir, tmp_path, source=str(src), max_records=None, num_eval=3,
-                     num_train=4, regenerate=False)
-    assert D.load_eval_prompts(P2, run_dir) == before  # stale files are not trusted, same split
-    rebuilt = D.prepare_data(P2, run_dir, progress=False)
+    params2 = tiny_params(tiny_target_dir, tmp_path, source=str(src), max_records=None, num_eval=3,
+                          num_train=4, regenerate=False)
+    assert D.load_eval_prompts(params2, run_dir) == before  # stale files are not trusted, same split
+    rebuilt = D.prepare_data(params2, run_dir, progress=False)
     assert not rebuilt.cached and len(D.load_processed(run_dir, "train")) == 4
     assert not list(RunLayout(run_dir).data.glob(".build-*"))
 
 
 def test_prepare_data_with_regeneration(tiny_target_dir, tmp_path):
-    P = tiny_params(tiny_target_dir, tmp_path, max_records=60, num_eval=2, num_train=3,
-                    regen_temperature=1.0)
-    run_dir = P.run_dir("r")
-    stats = D.prepare_data(P, run_dir, progress=False)
+    params = tiny_params(tiny_target_dir, tmp_path, max_records=60, num_eval=2, num_train=3,
+                         regen_temperature=1.0)
+    run_dir = params.run_dir("r")
+    stats = D.prepare_data(params, run_dir, progress=False)
     regen = stats.regen
     assert regen.conversations == 5 and regen.regenerated == 5
     assert regen.kept == 5 - regen.dropped_empty - regen.dropped_too_long
     train = D.load_processed(run_dir, "train")
-    results = results_by_id(regen_dir(P, run_dir))
+    results = results_by_id(regen_dir(params, run_dir))
     from eagle3lib.target import load_tokenizer
     tok = load_tokenizer(tiny_target_dir)
     assert len(train) == 3
@@ -546,7 +546,7 @@ def test_prepare_data_with_regeneration(tiny_target_dir, tmp_path):
         assert answer["role"] == "assistant"
         expected = answer["content"] + ("" if answer.get("capped") else END)
         run = masked_runs(tok, ids, mask)[-1]
-        if len(ids) < P.data.max_length:  # not truncated: the whole regenerated answer is trained
+        if len(ids) < params.data.max_length:  # not truncated: the whole regenerated answer is trained
             assert run == expected
         else:
             assert expected.startswith(run)
@@ -557,18 +557,18 @@ def test_prepare_data_regenerates_only_the_first_regen_num_train(tiny_target_dir
     dataset's; the draft vocabulary counts only the target's answers."""
     from eagle3lib import vocab as V
     from eagle3lib.vocab import load_vocab
-    P = tiny_params(tiny_target_dir, tmp_path, max_records=60, num_eval=2, num_train=5,
-                    regen_num_train=2, regen_temperature=1.0, draft_vocab_size=8)
-    run_dir = P.run_dir("r")
-    stats = D.prepare_data(P, run_dir, progress=False)
+    params = tiny_params(tiny_target_dir, tmp_path, max_records=60, num_eval=2, num_train=5,
+                         regen_num_train=2, regen_temperature=1.0, draft_vocab_size=8)
+    run_dir = params.run_dir("r")
+    stats = D.prepare_data(params, run_dir, progress=False)
     regen = stats.regen
     assert regen.conversations == 2 + 2                     # 2 training + 2 held-out chats
     assert regen.train_original_answers == 3
-    results = results_by_id(regen_dir(P, run_dir))
-    eval_chats, pool, _ = C.held_out_chats(P)
+    results = results_by_id(regen_dir(params, run_dir))
+    eval_chats, pool, _ = C.held_out_chats(params)
     from eagle3lib.target import load_tokenizer
     tok = load_tokenizer(tiny_target_dir)
-    chosen, _ = D.select_train(tok, pool, 5, P.data.max_length, progress=False)
+    chosen, _ = D.select_train(tok, pool, 5, params.data.max_length, progress=False)
     assert set(results) == {c["id"] for c in chosen[:2] + eval_chats}
     train = D.load_processed(run_dir, "train")
     originals = {c["id"]: c for c in chosen[2:]}
@@ -605,16 +605,16 @@ def test_eval_prompts_file(tmp_path, ci_params):
         {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}], "id": "m"},
         {"messages": [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a"},
                       {"role": "user", "content": "u2"}]}])
-    P = dataclasses.replace(ci_params, eval=dataclasses.replace(ci_params.eval, prompts_path=str(path)))
-    prompts = D.load_eval_prompts(P, tmp_path)
+    params = dataclasses.replace(ci_params, eval=dataclasses.replace(ci_params.eval, prompts_path=str(path)))
+    prompts = D.load_eval_prompts(params, tmp_path)
     assert prompts[0] == {"id": "prompt-1", "messages": [{"role": "user", "content": "What is 2+2?"}],
                           "category": "math"}
     assert prompts[1]["id"] == "m" and [m["role"] for m in prompts[1]["messages"]] == ["system", "user"]
     assert prompts[2]["messages"] == [{"role": "user", "content": "u1"}]
-    assert len(D.load_eval_prompts(P, tmp_path, limit=2)) == 2
+    assert len(D.load_eval_prompts(params, tmp_path, limit=2)) == 2
     write_jsonl(path, [{"category": "x"}])
     with pytest.raises(ValueError, match="p.jsonl:1"):
-        D.load_eval_prompts(P, tmp_path)
+        D.load_eval_prompts(params, tmp_path)
 
 
 @pytest.mark.vllm
@@ -628,7 +628,7 @@ def test_regenerate_vllm_subprocess(smollm2_dir, tmp_path, capsys, monkeypatch):
     overrides = {"target": {"path": str(smollm2_dir), "dtype": "bfloat16"}, "output_dir": str(tmp_path),
                  "data": {"regenerate": True, "regen_backend": "vllm", "regen_max_new_tokens": 12,
                           "regen_batch_size": 2, "max_length": 128, "regen_max_turns": 2}}
-    P = load_params("params/ci.yaml", overrides)
+    params = load_params("params/ci.yaml", overrides)
     chats = [{"id": "yes", "messages": [{"role": "user", "content": "Reply with only the word: yes"},
                                         {"role": "assistant", "content": "yes"},
                                         {"role": "user", "content": "And now only the word: no"},
@@ -638,11 +638,11 @@ def test_regenerate_vllm_subprocess(smollm2_dir, tmp_path, capsys, monkeypatch):
              {"id": "paris", "messages": [{"role": "user", "content": "What is the capital of France? One word."},
                                           {"role": "assistant", "content": "Paris"}]}]
     run_dir = tmp_path / "run"
-    kept, stats = regenerate_chats(P, run_dir, chats, progress=False)
+    kept, stats = regenerate_chats(params, run_dir, chats, progress=False)
     assert stats["backend"] == "vllm" and stats["regenerated"] == 3 and stats["kept"] == 3
     relayed = [l for l in capsys.readouterr().err.splitlines() if l.startswith("[regen]")]
     assert relayed[0].startswith("[regen] vLLM: 3 chats") and relayed[-1].startswith("[regen] 3/3 chats"), relayed
-    results = results_by_id(regen_dir(P, run_dir))
+    results = results_by_id(regen_dir(params, run_dir))
     essay = results["essay"]
     assert essay["capped"] and essay["new_tokens"] == 12 and essay["messages"][-1]["capped"]
     assert essay["messages"][-1]["content"] != "Rivers..."
@@ -651,7 +651,7 @@ def test_regenerate_vllm_subprocess(smollm2_dir, tmp_path, capsys, monkeypatch):
         if not r["capped"]:
             assert r["messages"][-1]["role"] == "assistant" and r["new_tokens"] < 12 * r["turns"]
     assert any(not r["capped"] for r in results.values())   # short answers stop at <|im_end|>
-    kept2, stats2 = regenerate_chats(P, run_dir, chats, progress=False)  # all cached: no subprocess
+    kept2, stats2 = regenerate_chats(params, run_dir, chats, progress=False)  # all cached: no subprocess
     assert stats2["from_cache"] == 3 and stats2["regenerated"] == 0 and kept2 == kept
 
 
@@ -694,20 +694,20 @@ def test_source_edited_in_place_is_rebuilt(tiny_target_dir, tmp_path, tok):
     recs = [openai(("user", f"Tell me fact number {i}."), ("assistant", f"Fact {i}: water is wet."),
                    id=f"f{i}") for i in range(10)]
     src = write_jsonl(tmp_path / "facts.jsonl", recs)
-    P = tiny_params(tiny_target_dir, tmp_path, source=str(src), max_records=None, num_eval=2,
-                    num_train=4, regenerate=False)
-    run_dir = P.run_dir("t")
-    first = D.prepare_data(P, run_dir, progress=False)
+    params = tiny_params(tiny_target_dir, tmp_path, source=str(src), max_records=None, num_eval=2,
+                         num_train=4, regenerate=False)
+    run_dir = params.run_dir("t")
+    first = D.prepare_data(params, run_dir, progress=False)
     assert "Fact" in _decoded_train(tok, run_dir)
     before = src.stat()
     src.write_text(src.read_text().replace("fact", "joke").replace("Fact", "Joke"))
     os.utime(src, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert src.stat().st_size == before.st_size and src.stat().st_mtime_ns == before.st_mtime_ns
-    second = D.prepare_data(P, run_dir, progress=False)
+    second = D.prepare_data(params, run_dir, progress=False)
     assert not second.cached and second.cache_key != first.cache_key
     text = _decoded_train(tok, run_dir)
     assert "Joke" in text and "Fact" not in text and "fact" not in text
-    assert D.prepare_data(P, run_dir, progress=False).cached   # unchanged file: cached again
+    assert D.prepare_data(params, run_dir, progress=False).cached  # unchanged file: cached again
 
 
 def test_switched_source_never_reuses_regenerated_answers(tiny_target_dir, tmp_path, tok):
@@ -719,31 +719,31 @@ def test_switched_source_never_reuses_regenerated_answers(tiny_target_dir, tmp_p
         return str(write_jsonl(tmp_path / name, recs))
     common = dict(max_records=None, num_eval=2, num_train=3, regen_temperature=1.0)
     P1 = tiny_params(tiny_target_dir, tmp_path, source=source("apples.jsonl", "apples"), **common)
-    P2 = tiny_params(tiny_target_dir, tmp_path, source=source("oceans.jsonl", "oceans"), **common)
+    params2 = tiny_params(tiny_target_dir, tmp_path, source=source("oceans.jsonl", "oceans"), **common)
     run_dir = P1.run_dir("same-run")
     D.prepare_data(P1, run_dir, progress=False)
     assert "apples" in _decoded_train(tok, run_dir)
-    stats = D.prepare_data(P2, run_dir, progress=False)
+    stats = D.prepare_data(params2, run_dir, progress=False)
     assert stats.regen.from_cache == 0 and stats.regen.regenerated == 5
     text = _decoded_train(tok, run_dir)
     assert len(D.load_processed(run_dir, "train")) >= 1
     assert "oceans" in text and "apples" not in text
-    prompts = D.load_eval_prompts(P2, run_dir)
+    prompts = D.load_eval_prompts(params2, run_dir)
     assert all("oceans" in p["messages"][-1]["content"] for p in prompts)
 
 
 def test_chunks_without_content_keys_are_refused(tiny_target_dir, tmp_path):
     """A chunk keyed by conversation id only (the old format) is never reused as if it matched."""
-    P = tiny_params(tiny_target_dir, tmp_path, regen_temperature=1.0)
+    params = tiny_params(tiny_target_dir, tmp_path, regen_temperature=1.0)
     run_dir = tmp_path / "run"
-    out_dir = regen_dir(P, run_dir)
+    out_dir = regen_dir(params, run_dir)
     out_dir.mkdir(parents=True)
     old = {"id": "b", "messages": [{"role": "user", "content": "another chat's prompt"},
                                    {"role": "assistant", "content": "ANOTHER CHAT'S ANSWER"}],
            "status": "ok", "turns": 1, "new_tokens": 3, "capped": False, "empty_outputs": 0}
     (out_dir / "chunk-0123456789abcdef.jsonl").write_text(json.dumps(old) + "\n")
     with pytest.raises(ValueError, match=r"data stage .*chunk-0123456789abcdef\.jsonl.*delete"):
-        regenerate_chats(P, run_dir, REGEN_CHATS, progress=False)
+        regenerate_chats(params, run_dir, REGEN_CHATS, progress=False)
 
 
 # ---- several sources ----------------------------------------------------------------------
@@ -787,11 +787,11 @@ def test_missing_source_in_a_list_names_the_item_and_the_fix(tmp_path, ci_params
     with pytest.raises(ParamsError, match=r"data.source\[2\]: .*gone.jsonl.*no such file or folder on this "
                                           r"machine; fix the path.*remove the item"):
         C.load_chats(source)
-    P = load_params("params/ci.yaml", {"data": {"source": source}})   # validation does not look at the disk
+    params = load_params("params/ci.yaml", {"data": {"source": source}})  # validation does not look at the disk
     with pytest.raises(ParamsError, match=r"data.source\[2\]"):
-        D.cache_key(P)                                                  # the data stage refuses it
+        D.cache_key(params)                                             # the data stage refuses it
     with pytest.raises(ParamsError, match=r"data.source\[2\]"):
-        C.held_out_chats(P)
+        C.held_out_chats(params)
 
 
 @pytest.mark.parametrize("source, match", [

@@ -85,11 +85,12 @@ def test_ngram_verdict_says_when_ngram_is_slower(per_prompt):
 
 
 def test_ngram_sweep_and_names():
-    P = load_params("params/ci.yaml", {"eval": {"ngram_k": [2, 4], "prompt_lookup_min": 1, "prompt_lookup_max": 3}})
-    assert ev.ngram_sweep(P) == [(2, 1, 2), (2, 1, 3), (4, 1, 2), (4, 1, 3)]
+    params = load_params("params/ci.yaml",
+                         {"eval": {"ngram_k": [2, 4], "prompt_lookup_min": 1, "prompt_lookup_max": 3}})
+    assert ev.ngram_sweep(params) == [(2, 1, 2), (2, 1, 3), (4, 1, 2), (4, 1, 3)]
     assert ev.ngram_method(4, 1, 3)[0] == "ngram_k4_n1-3"
     modes = ev.vllm_modes([(4, 1, 3)], "/x/export", 5)
-    assert [m["name"] for m in modes] == ["plain", "ngram_k4_n1-3", "eagle3_k5"]
+    assert [m.name for m in modes] == ["plain", "ngram_k4_n1-3", "eagle3_k5"]
     assert speculative_config(modes[1]) == {"method": "ngram", "num_speculative_tokens": 4,
                                             "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     assert speculative_config(modes[2]) == {"method": "eagle3", "model": "/x/export", "num_speculative_tokens": 5}
@@ -124,22 +125,22 @@ def test_eval_prompts_skip_long_ones_and_count_them(tmp_path):
             return {"input_ids": [1] * len(messages[-1]["content"])}
     f = tmp_path / "prompts.jsonl"
     f.write_text("\n".join('{"prompt": "%s", "category": "c%d"}' % ("x" * n, i) for i, n in enumerate([5, 50, 7, 9])))
-    P = load_params("params/ci.yaml", {"eval": {"prompts_path": str(f), "max_prompt_tokens": 8, "num_prompts": 3}})
-    prompts, skipped = ev.eval_prompts(P, tmp_path, Tok())
+    params = load_params("params/ci.yaml", {"eval": {"prompts_path": str(f), "max_prompt_tokens": 8, "num_prompts": 3}})
+    prompts, skipped = ev.eval_prompts(params, tmp_path, Tok())
     assert [len(p["input_ids"]) for p in prompts] == [5, 7]
     assert [p["category"] for p in prompts] == ["c0", "c2"]
     assert skipped == 2
-    P = load_params("params/ci.yaml", {"eval": {"prompts_path": str(f), "max_prompt_tokens": 2}})
+    params = load_params("params/ci.yaml", {"eval": {"prompts_path": str(f), "max_prompt_tokens": 2}})
     with pytest.raises(ValueError, match="max_prompt_tokens"):
-        ev.eval_prompts(P, tmp_path, Tok())
+        ev.eval_prompts(params, tmp_path, Tok())
 
 
 def test_decoder_runs_a_prefix_of_the_vllm_prompts():
     prompts = [{"id": str(i)} for i in range(5)]
-    P = load_params("params/ci.yaml", {"eval": {"decoder_prompts": 2}})
-    assert [p["id"] for p in ev.decoder_subset(P, prompts)] == ["0", "1"]
-    P = load_params("params/ci.yaml")
-    assert ev.decoder_subset(P, prompts) == prompts
+    params = load_params("params/ci.yaml", {"eval": {"decoder_prompts": 2}})
+    assert [p["id"] for p in ev.decoder_subset(params, prompts)] == ["0", "1"]
+    params = load_params("params/ci.yaml")
+    assert ev.decoder_subset(params, prompts) == prompts
 
 
 # ---- the notebooks' correctness checks: each must catch a planted fault --------------
@@ -148,13 +149,13 @@ FP32_T0 = {"eval": {"dtype": "float32", "vllm_dtype": "float32", "temperature": 
 
 
 def test_lossless_check_names_the_failing_prompt(per_prompt):
-    P = load_params("params/ci.yaml", FP32_T0)
+    params = load_params("params/ci.yaml", FP32_T0)
     good = per_prompt.copy()
     good["lossless"] = True
-    assert "eagle3_k2 2/2" in ev.check_lossless(good, P)
+    assert "eagle3_k2 2/2" in ev.check_lossless(good, params)
     # planted fault: the fixture's second eagle3 row differs from plain greedy
     with pytest.raises(AssertionError, match=r"NOT lossless.*eagle3_k2 on prompt 'p221'"):
-        ev.check_lossless(per_prompt, P)
+        ev.check_lossless(per_prompt, params)
     # bf16 or sampling: reported, not asserted (and says why)
     P16 = load_params("params/ci.yaml", {"eval": {"dtype": "bfloat16"}})
     assert "not asserted: eval.dtype=bfloat16" in ev.check_lossless(per_prompt, P16)
@@ -175,28 +176,28 @@ MATCHING = [(4, 6, [4, 2]), (10, 10, [6, 4])]     # the fixture's eagle3 counts
 
 
 def test_vllm_same_output_check_names_the_prompt_and_token():
-    P = load_params("params/ci.yaml", FP32_T0)
-    assert "eagle3_k2 2/2" in ev.check_vllm_same_output(vllm_raw([[5, 6, 7], [8, 9]], MATCHING), PROMPTS, P)
+    params = load_params("params/ci.yaml", FP32_T0)
+    assert "eagle3_k2 2/2" in ev.check_vllm_same_output(vllm_raw([[5, 6, 7], [8, 9]], MATCHING), PROMPTS, params)
     # planted fault: the second prompt's speculative output differs at its second token
     with pytest.raises(AssertionError, match=r"eagle3_k2 on prompt 'p221' \(first difference at new token 1\)"):
-        ev.check_vllm_same_output(vllm_raw([[5, 6, 7], [8, 4]], MATCHING), PROMPTS, P)
+        ev.check_vllm_same_output(vllm_raw([[5, 6, 7], [8, 4]], MATCHING), PROMPTS, params)
     P16 = load_params("params/ci.yaml", {"eval": {"vllm_dtype": "bfloat16"}})
     assert "not asserted" in ev.check_vllm_same_output(vllm_raw([[5, 6, 7], [8, 4]], MATCHING), PROMPTS, P16)
 
 
 def test_acceptance_check_compares_counts_prompt_by_prompt(per_prompt):
-    P = load_params("params/ci.yaml", FP32_T0)
+    params = load_params("params/ci.yaml", FP32_T0)
     raw = vllm_raw([[5, 6, 7], [8, 9]], MATCHING)
-    assert "eagle3_k2 16 accepted / 14 drafts in both" in ev.check_acceptance_agrees(per_prompt, raw, PROMPTS, P)
+    assert "eagle3_k2 16 accepted / 14 drafts in both" in ev.check_acceptance_agrees(per_prompt, raw, PROMPTS, params)
     # vLLM ran only the first prompt: compared on the common prompt
     one = vllm_raw([[5, 6, 7]], MATCHING[:1])
-    assert "eagle3_k2 6 accepted / 4 drafts" in ev.check_acceptance_agrees(per_prompt, one, PROMPTS, P)
+    assert "eagle3_k2 6 accepted / 4 drafts" in ev.check_acceptance_agrees(per_prompt, one, PROMPTS, params)
     # planted faults: one accepted token fewer on the second prompt; same totals per position swapped
     for counts in ([(4, 6, [4, 2]), (10, 9, [6, 3])], [(4, 6, [2, 4]), (10, 10, [6, 4])]):
         with pytest.raises(AssertionError, match=r"eagle3_k2 on prompt 'p2(1|2)1'"):
-            ev.check_acceptance_agrees(per_prompt, vllm_raw([[5, 6, 7], [8, 9]], counts), PROMPTS, P)
+            ev.check_acceptance_agrees(per_prompt, vllm_raw([[5, 6, 7], [8, 9]], counts), PROMPTS, params)
     with pytest.raises(ValueError, match="pass the prompts given to run_vllm_eval"):
-        ev.check_acceptance_agrees(per_prompt, raw, PROMPTS[::-1], P)
+        ev.check_acceptance_agrees(per_prompt, raw, PROMPTS[::-1], params)
 
 
 class FakeLLM:
@@ -229,7 +230,7 @@ def test_vllm_bench_counts_each_request_separately():
     llm.generate(["warm-up"], None)                                   # before the measured requests
     outs, per_prompt, elapsed = _generate_one_by_one(llm, ["a", "b", "c"], None, read_spec_metrics(llm))
     assert outs == ["out2", "out3", "out4"] and elapsed >= 0
-    got = [(c["num_drafts"], c["num_draft_tokens"], c["num_accepted"], c["accepted_per_position"]) for c in per_prompt]
+    got = [(c.num_drafts, c.num_draft_tokens, c.num_accepted, c.accepted_per_position) for c in per_prompt]
     assert got == [(3, 6, 1, [1, 0]), (5, 10, 4, [3, 1]), (2, 4, 0, [0, 0])]
 
 
@@ -250,12 +251,12 @@ def test_reference_decoder_skip_decision(tmp_path):
 
 
 def test_reference_decoder_skip_from_the_profile(tmp_path, monkeypatch):
-    P = load_params("params/ci.yaml")
+    params = load_params("params/ci.yaml")
     (tmp_path / "model.safetensors").write_bytes(b"x" * 1000)
     monkeypatch.setattr(ev, "host_memory_bytes", lambda: 999)
-    assert "exceed" in ev.reference_decoder_skip(P, tmp_path)          # auto, too big for the device
+    assert "exceed" in ev.reference_decoder_skip(params, tmp_path)     # auto, too big for the device
     monkeypatch.setattr(ev, "host_memory_bytes", lambda: 1000)
-    assert ev.reference_decoder_skip(P, tmp_path) is None
+    assert ev.reference_decoder_skip(params, tmp_path) is None
     never = load_params("params/ci.yaml", {"eval": {"reference_decoder": "never"}})
     assert ev.reference_decoder_skip(never, tmp_path) is not None
     monkeypatch.setattr(ev, "host_memory_bytes", lambda: 1)

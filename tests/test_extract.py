@@ -17,7 +17,7 @@ import torch
 
 from eagle3lib import cache as hc
 from eagle3lib import extract as ex
-from eagle3lib.cache import CacheError, HiddenCache, check_cache
+from eagle3lib.cache import CacheError, HiddenCache, cache_params_hash, check_cache
 from eagle3lib.extract import HiddenStateCapture, extract_hidden_states
 from eagle3lib.params import ParamsError, load_params
 from eagle3lib.target import load_target
@@ -61,9 +61,9 @@ def shard_bytes(out_dir: Path) -> dict:
 def clean_run(tiny_target_dir, tmp_path_factory, dataset):
     """An uninterrupted single-process run (bf16 cache): the reference for byte comparisons."""
     out = tmp_path_factory.mktemp("clean")
-    P = make_params(tiny_target_dir, out)
-    summary = extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
-    return P, summary, shard_bytes(P.layout().hidden("train"))
+    params = make_params(tiny_target_dir, out)
+    summary = extract_hidden_states(params, params.run_dir(), "train", dataset=dataset, progress=False)
+    return params, summary, shard_bytes(params.layout().hidden("train"))
 
 
 # ---- plan ------------------------------------------------------------------------------------
@@ -115,18 +115,18 @@ def test_capture_matches_unpadded_forward_and_layer_convention(tiny_model):
 
 # ---- the stage end to end --------------------------------------------------------------------
 def test_extract_roundtrip_fp32_matches_forward(tiny_target_dir, tiny_model, tmp_path, dataset):
-    P = make_params(tiny_target_dir, tmp_path, dtype="float32")
-    s = extract_hidden_states(P, P.run_dir(), "train", model=tiny_model, dataset=dataset, progress=False)
+    params = make_params(tiny_target_dir, tmp_path, dtype="float32")
+    s = extract_hidden_states(params, params.run_dir(), "train", model=tiny_model, dataset=dataset, progress=False)
     nonempty = [i for i, n in enumerate(LENGTHS) if n > 0]
     assert s["complete"] and s["num_sequences"] == len(nonempty) and s["num_tokens"] == sum(LENGTHS)
     assert s["empty_rows_skipped"] == 1 and s["num_shards"] > 3
 
-    cache = HiddenCache(P.layout().hidden("train"))
+    cache = HiddenCache(params.layout().hidden("train"))
     assert len(cache) == len(nonempty) and cache.seq_index == nonempty
     assert cache.lengths == [LENGTHS[i] for i in nonempty]
     assert cache.hidden_size == 64 and cache.aux_layers == AUX and cache.verify()
     m = cache.manifest
-    assert m.header.params_hash == P.section_hash("data", "extract") and m.header.dtype == "float32"
+    assert m.header.params_hash == cache_params_hash(params) and m.header.dtype == "float32"
     assert Path(m.header.target_path) == Path(tiny_target_dir)
     for i, row in enumerate(nonempty):
         item = cache.get(i)
@@ -146,8 +146,8 @@ def test_extract_roundtrip_fp32_matches_forward(tiny_target_dir, tiny_model, tmp
 
 def test_shard_file_is_plain_safetensors_with_exact_size(clean_run):
     from safetensors.torch import load_file
-    P, summary, shards = clean_run
-    out = P.layout().hidden("train")
+    params, summary, shards = clean_run
+    out = params.layout().hidden("train")
     H, total = 64, 0
     for rec in json.loads((out / "manifest.json").read_text())["shards"]:
         t = load_file(str(out / rec["file"]))
@@ -164,45 +164,46 @@ def test_shard_file_is_plain_safetensors_with_exact_size(clean_run):
 
 def test_rerun_skips_finished_shards_unhashed_and_redoes_the_ones_verification_found_bad(
         clean_run, tiny_target_dir, tmp_path, dataset, monkeypatch):
-    P = make_params(tiny_target_dir, tmp_path)
-    dataset.save_to_disk(str(P.layout().data_split("train")))     # where the data stage puts it
-    first = extract_hidden_states(P, P.run_dir(), "train", progress=False)
-    verified = hc.read_verified(P.layout().hidden("train"))      # the stage ends with the verification
+    params = make_params(tiny_target_dir, tmp_path)
+    dataset.save_to_disk(str(params.layout().data_split("train")))  # where the data stage puts it
+    first = extract_hidden_states(params, params.run_dir(), "train", progress=False)
+    verified = hc.read_verified(params.layout().hidden("train"))  # the stage ends with the verification
     assert len(verified["hashed"]) == first["num_shards"] and verified["bad"] == {}
     hashed = []
     real_sha = hc.file_sha256
     monkeypatch.setattr(hc, "file_sha256", lambda path: hashed.append(Path(path).name) or real_sha(path))
-    again = extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
+    again = extract_hidden_states(params, params.run_dir(), "train", dataset=dataset, progress=False)
     assert first["shards_written"] == first["num_shards"] and again["shards_written"] == 0
     assert hashed == []                               # a rerun (or 04's check) reads no shard again
-    out = P.layout().hidden("train")
+    out = params.layout().hidden("train")
     victim = out / "shard-00001.safetensors"
     data = bytearray(victim.read_bytes())
     data[-3] ^= 0xFF
     victim.write_bytes(bytes(data))
     with pytest.raises(CacheError, match="shard-00001.*sha256"):
-        check_cache(P, P.layout(), "train")           # the verification finds it and records it
-    fixed = extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
+        check_cache(params, params.layout(), "train")  # the verification finds it and records it
+    fixed = extract_hidden_states(params, params.run_dir(), "train", dataset=dataset, progress=False)
     assert fixed["shards_written"] == 1
     assert shard_bytes(out) == clean_run[2]           # same bytes as the clean run
-    assert check_cache(P, P.layout(), "train") and HiddenCache(out).verify()
-    assert extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)["shards_written"] == 0
+    assert check_cache(params, params.layout(), "train") and HiddenCache(out).verify()
+    assert extract_hidden_states(params, params.run_dir(), "train", dataset=dataset,
+                                 progress=False)["shards_written"] == 0
 
 
 def test_changed_params_refuse_to_mix(tiny_target_dir, tmp_path, dataset):
-    P = make_params(tiny_target_dir, tmp_path)
-    extract_hidden_states(P, P.run_dir(), "train", dataset=dataset.select(range(4)), progress=False)
-    P2 = make_params(tiny_target_dir, tmp_path, batch_tokens=512)
+    params = make_params(tiny_target_dir, tmp_path)
+    extract_hidden_states(params, params.run_dir(), "train", dataset=dataset.select(range(4)), progress=False)
+    params2 = make_params(tiny_target_dir, tmp_path, batch_tokens=512)
     with pytest.raises(CacheError, match=r"params_hash.*delete .* or use another run name"):
-        extract_hidden_states(P2, P2.run_dir(), "train", dataset=dataset.select(range(4)), progress=False)
+        extract_hidden_states(params2, params2.run_dir(), "train", dataset=dataset.select(range(4)), progress=False)
     with pytest.raises(CacheError, match="dataset_fingerprint"):
-        extract_hidden_states(P, P.run_dir(), "train", dataset=dataset.select(range(5)), progress=False)
+        extract_hidden_states(params, params.run_dir(), "train", dataset=dataset.select(range(5)), progress=False)
 
 
 def test_partial_cache_is_refused_by_reader(tiny_target_dir, tmp_path, dataset, monkeypatch):
     """A failed write (disk full in the middle) leaves no temp file and no half shard; the
     reader refuses the unfinished cache; a rerun finishes it."""
-    P = make_params(tiny_target_dir, tmp_path)
+    params = make_params(tiny_target_dir, tmp_path)
     real = hc._preallocate
     calls = []
 
@@ -213,8 +214,8 @@ def test_partial_cache_is_refused_by_reader(tiny_target_dir, tmp_path, dataset, 
         real(fd, size)
     monkeypatch.setattr(hc, "_preallocate", full_after_two)
     with pytest.raises(CacheError, match="No space left on device.*rerun"):
-        extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
-    out = P.layout().hidden("train")
+        extract_hidden_states(params, params.run_dir(), "train", dataset=dataset, progress=False)
+    out = params.layout().hidden("train")
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "shard-00000.safetensors",
                                                      "shard-00001.safetensors"]
     m = json.loads((out / "manifest.json").read_text())
@@ -223,7 +224,7 @@ def test_partial_cache_is_refused_by_reader(tiny_target_dir, tmp_path, dataset, 
         HiddenCache(out)
     assert len(HiddenCache(out, allow_partial=True)) == sum(len(r["seq_index"]) for r in m["shards"])
     monkeypatch.setattr(hc, "_preallocate", real)
-    done = extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
+    done = extract_hidden_states(params, params.run_dir(), "train", dataset=dataset, progress=False)
     assert done["complete"] and done["shards_skipped"] == 2
 
 
@@ -270,33 +271,33 @@ def test_fingerprint_is_a_content_id_from_the_manifest(clean_run, tiny_target_di
     m["shards"][0]["sha256"] = "0" * 64                                    # other shard content: another id
     (copy / "manifest.json").write_text(json.dumps(m))
     assert HiddenCache(copy).fingerprint != fp
-    P = make_params(tiny_target_dir, tmp_path / "other")                   # other data: another id
-    extract_hidden_states(P, P.layout(), "train", dataset=dataset.select(range(6)), progress=False)
-    assert HiddenCache(P.layout().hidden("train")).fingerprint != fp
+    params = make_params(tiny_target_dir, tmp_path / "other")              # other data: another id
+    extract_hidden_states(params, params.layout(), "train", dataset=dataset.select(range(6)), progress=False)
+    assert HiddenCache(params.layout().hidden("train")).fingerprint != fp
 
 
 def test_check_cache_refuses_stale_params_and_corrupt_shards(tiny_target_dir, tmp_path, dataset):
-    P = make_params(tiny_target_dir, tmp_path)
-    layout = P.layout()
-    extract_hidden_states(P, layout, "train", dataset=dataset, progress=False)
-    cache = check_cache(P, layout, "train")                                # intact, same params: passes
+    params = make_params(tiny_target_dir, tmp_path)
+    layout = params.layout()
+    extract_hidden_states(params, layout, "train", dataset=dataset, progress=False)
+    cache = check_cache(params, layout, "train")                           # intact, same params: passes
     assert isinstance(cache, HiddenCache) and len(cache) == 14 and cache.seq_index[0] == 0
     # num_train changed (resume: false would train on the old cache): refused, naming folder and stage
-    P2 = load_params("params/ci.yaml", overrides={**P.to_dict(), "data": {**P.to_dict()["data"],
-                                                                          "num_train": P.data.num_train + 1}})
-    assert P2.layout() == layout
+    params2 = load_params("params/ci.yaml", overrides={**params.to_dict(), "data": {**params.to_dict()["data"],
+                                                                               "num_train": params.data.num_train + 1}})
+    assert params2.layout() == layout
     folder = str(layout.hidden("train"))
     with pytest.raises(CacheError, match=rf"{folder} was extracted with other params \(params_hash "
-                                         rf"'{P.section_hash('data', 'extract')}'.*--only data,extract"):
-        check_cache(P2, P2.layout(), "train")
+                                         rf"'{cache_params_hash(params)}'.*--only data,extract"):
+        check_cache(params2, params2.layout(), "train")
     with pytest.raises(CacheError, match=r"no manifest\.json.*--only extract"):
-        check_cache(P, layout, "eval")                                     # never extracted
+        check_cache(params, layout, "eval")                                # never extracted
     victim = layout.hidden("train") / "shard-00000.safetensors"
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
     with pytest.raises(CacheError, match=r"shard-00000\.safetensors: sha256 differs.*--only extract"):
-        check_cache(P, layout, "train")
+        check_cache(params, layout, "train")
 
 
 def test_writer_refuses_states_of_the_wrong_shape(tmp_path):
@@ -337,8 +338,8 @@ import sys, time, torch
 from datasets import load_from_disk
 from eagle3lib.params import load_params
 from eagle3lib.extract import extract_hidden_states
-params, data, slow = sys.argv[1], sys.argv[2], float(sys.argv[3])
-P = load_params(params)
+params_path, data, slow = sys.argv[1], sys.argv[2], float(sys.argv[3])
+params = load_params(params_path)
 if slow:   # slow the forward down so that the kill lands in the middle of the run
     import transformers.models.llama.modeling_llama as llama
     forward = llama.LlamaModel.forward
@@ -346,7 +347,7 @@ if slow:   # slow the forward down so that the kill lands in the middle of the r
         time.sleep(slow)
         return forward(self, *a, **k)
     llama.LlamaModel.forward = slow_forward
-print(extract_hidden_states(P, P.run_dir(), "train", dataset=load_from_disk(data), progress=False))
+print(extract_hidden_states(params, params.run_dir(), "train", dataset=load_from_disk(data), progress=False))
 """
 
 
@@ -364,12 +365,12 @@ def write_profile(tmp_path, tiny_target_dir, out_dir, name="p.yaml"):
 def test_sigkill_then_restart_gives_identical_bytes(clean_run, tiny_target_dir, tmp_path, dataset):
     out_root = tmp_path / "out"
     profile = write_profile(tmp_path, tiny_target_dir, out_root)
-    P = load_params(profile)
-    assert P.section_hash("data", "extract") == clean_run[0].section_hash("data", "extract")
+    params = load_params(profile)
+    assert cache_params_hash(params) == cache_params_hash(clean_run[0])
     dataset.save_to_disk(str(tmp_path / "ds"))
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    out = P.layout().hidden("train")
+    out = params.layout().hidden("train")
     proc = subprocess.Popen([sys.executable, str(script), str(profile), str(tmp_path / "ds"), "0.4"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.time() + 120
@@ -381,7 +382,7 @@ def test_sigkill_then_restart_gives_identical_bytes(clean_run, tiny_target_dir, 
     proc.wait()
     done_before = json.loads((out / "manifest.json").read_text())["shards"] if (out / "manifest.json").exists() else []
     assert len(done_before) < clean_run[1]["num_shards"]           # killed mid-run
-    resumed = extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
+    resumed = extract_hidden_states(params, params.run_dir(), "train", dataset=dataset, progress=False)
     assert resumed["complete"] and resumed["shards_skipped"] == len(done_before)
     assert not list(out.glob(".*tmp"))
     assert shard_bytes(out) == clean_run[2]
@@ -419,67 +420,68 @@ def test_target_that_is_not_a_causal_lm(tiny_target_dir, tmp_path, dataset):
     from transformers import T5Config
     t5 = tmp_path / "t5"
     T5Config(vocab_size=100, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=2).save_pretrained(t5)
-    P = make_params(tiny_target_dir, tmp_path)
-    P.target.path = str(t5)
+    params = make_params(tiny_target_dir, tmp_path)
+    params.target.path = str(t5)
     with pytest.raises(CacheError, match="T5Config.*not a causal language model"):
-        extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
+        extract_hidden_states(params, params.run_dir(), "train", dataset=dataset, progress=False)
     empty = tmp_path / "no_config"
     empty.mkdir()
-    P.target.path = str(empty)
+    params.target.path = str(empty)
     with pytest.raises(FileNotFoundError, match="no config.json"):
-        extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
+        extract_hidden_states(params, params.run_dir(), "train", dataset=dataset, progress=False)
     assert not list((tmp_path / "ci" / "hidden" / "train").glob("shard-*"))
 
 
 def test_aux_layers_out_of_range(tiny_target_dir, tiny_model, tmp_path, dataset):
     with pytest.raises(ParamsError, match="aux_layers.*out of range"):
         make_params(tiny_target_dir, tmp_path, aux_layers=[1, 3, 6])        # rejected by the params
-    P = make_params(tiny_target_dir, tmp_path)
-    P.extract.aux_layers = [1, 3, 99]                                        # bypassing validation
+    params = make_params(tiny_target_dir, tmp_path)
+    params.extract.aux_layers = [1, 3, 99]                                   # bypassing validation
     with pytest.raises(ParamsError, match=r"out of range.*6 decoder layers \(valid ids 0..5"):
-        extract_hidden_states(P, P.run_dir(), "train", model=tiny_model, dataset=dataset, progress=False)
-    assert not list(P.layout().hidden("train").glob("shard-*"))
+        extract_hidden_states(params, params.run_dir(), "train", model=tiny_model, dataset=dataset, progress=False)
+    assert not list(params.layout().hidden("train").glob("shard-*"))
 
 
 def test_cuda_requested_without_a_gpu(tiny_target_dir, tmp_path, dataset, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)        # also on a GPU machine
-    P = make_params(tiny_target_dir, tmp_path, device="cuda")
+    params = make_params(tiny_target_dir, tmp_path, device="cuda")
     with pytest.raises(CacheError, match="extract.device: cuda requested but torch sees no GPU"):
-        extract_hidden_states(P, P.layout(), "train", dataset=dataset, progress=False)
-    assert not list(P.layout().hidden("train").glob("shard-*"))
+        extract_hidden_states(params, params.layout(), "train", dataset=dataset, progress=False)
+    assert not list(params.layout().hidden("train").glob("shard-*"))
 
 
 def test_empty_and_malformed_datasets(tiny_target_dir, tmp_path):
-    P = make_params(tiny_target_dir, tmp_path)
+    params = make_params(tiny_target_dir, tmp_path)
     for ds in (make_dataset([]), make_dataset([0, 0])):
         with pytest.raises(CacheError, match="has no tokens"):
-            extract_hidden_states(P, P.run_dir(), "train", dataset=ds, progress=False)
+            extract_hidden_states(params, params.run_dir(), "train", dataset=ds, progress=False)
     bad = make_dataset([4, 4]).map(lambda r, i: {"loss_mask": r["loss_mask"][:2] if i == 1 else r["loss_mask"]},
                                   with_indices=True)
     with pytest.raises(ValueError, match="row 1: 4 input_ids but 2 loss_mask"):
-        extract_hidden_states(P, P.run_dir(), "train", dataset=bad, progress=False)
+        extract_hidden_states(params, params.run_dir(), "train", dataset=bad, progress=False)
     with pytest.raises(CacheError, match="token id 70000, beyond the target's vocabulary"):
-        extract_hidden_states(P, P.run_dir(), "train", dataset=make_dataset([3]).map(
+        extract_hidden_states(params, params.run_dir(), "train", dataset=make_dataset([3]).map(
             lambda r: {"input_ids": [1, 2, 70000]}), progress=False)
     assert not list((tmp_path / "ci" / "hidden").rglob("shard-*"))
 
 
 def test_unwritable_or_full_output_dir(tiny_target_dir, tmp_path, dataset, monkeypatch):
-    P = make_params(tiny_target_dir, tmp_path)
+    params = make_params(tiny_target_dir, tmp_path)
     blocker = tmp_path / "ci" / "hidden"
     blocker.parent.mkdir(parents=True)
     blocker.write_text("a file where the cache folder should be")
     with pytest.raises(CacheError, match="cannot write the hidden-state cache"):
-        extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
+        extract_hidden_states(params, params.run_dir(), "train", dataset=dataset, progress=False)
     with pytest.raises(CacheError, match="cannot write the hidden-state cache"):
-        extract_hidden_states(P, "/sys/eagle3lab-test-run", "train", dataset=dataset, progress=False)   # read-only fs
+        # a read-only file system
+        extract_hidden_states(params, "/sys/eagle3lab-test-run", "train", dataset=dataset, progress=False)
     blocker.unlink()
 
     class Usage:
         free = 1000
     monkeypatch.setattr(ex.shutil, "disk_usage", lambda path: Usage)
     with pytest.raises(CacheError, match=r"not enough disk space.*GB are free"):
-        extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
+        extract_hidden_states(params, params.run_dir(), "train", dataset=dataset, progress=False)
     assert not list((tmp_path / "ci" / "hidden").rglob("shard-*"))
 
 
@@ -520,18 +522,18 @@ def confident_target_dir(tiny_target_dir, tmp_path_factory):
 
 
 def test_fidelity_plan_follows_the_mode_and_the_target_size(tiny_target_dir, tmp_path, monkeypatch):
-    P = make_params(tiny_target_dir, tmp_path)
-    assert P.extract.fidelity == "auto" and ex.fidelity_plan(P) == ("hf", None)       # fits: as before
+    params = make_params(tiny_target_dir, tmp_path)
+    assert params.extract.fidelity == "auto" and ex.fidelity_plan(params) == ("hf", None)  # fits: as before
     monkeypatch.setattr(ex, "host_memory_bytes", lambda: 1000)                         # a target too big
-    mode, reason = ex.fidelity_plan(P)
+    mode, reason = ex.fidelity_plan(params)
     assert mode is None and "exceed this machine's memory" in reason and "extract.backend: vllm" in reason
-    P.extract.backend = "vllm"
-    assert ex.fidelity_plan(P) == ("vllm", None)
+    params.extract.backend = "vllm"
+    assert ex.fidelity_plan(params) == ("vllm", None)
     for explicit in ("hf", "vllm"):
-        P.extract.fidelity = explicit
-        assert ex.fidelity_plan(P) == (explicit, None)
-    P.extract.fidelity = "never"
-    assert ex.fidelity_plan(P)[0] is None and "'never'" in ex.fidelity_plan(P)[1]
+        params.extract.fidelity = explicit
+        assert ex.fidelity_plan(params) == (explicit, None)
+    params.extract.fidelity = "never"
+    assert ex.fidelity_plan(params)[0] is None and "'never'" in ex.fidelity_plan(params)[1]
     with pytest.raises(ParamsError, match="extract.fidelity"):
         make_params(tiny_target_dir, tmp_path, fidelity="sometimes")
 
@@ -540,62 +542,62 @@ def test_vllm_fidelity_reads_the_saved_reference_and_records_metrics(confident_t
                                                                     monkeypatch):
     """The cached final states through the head read by name agree with the engine's top-1 (here the
     model's own, fp32); a reference of other tokens fails the check and the numbers are recorded."""
-    P = make_params(confident_target_dir, tmp_path, dtype="float32", fidelity="vllm")
-    extract_hidden_states(P, P.layout(), "eval", dataset=dataset, progress=False)      # hf backend: no top2
-    cache = HiddenCache(P.layout().hidden("eval"))
+    params = make_params(confident_target_dir, tmp_path, dtype="float32", fidelity="vllm")
+    extract_hidden_states(params, params.layout(), "eval", dataset=dataset, progress=False)  # hf backend: no top2
+    cache = HiddenCache(params.layout().hidden("eval"))
     model = load_target(confident_target_dir, "float32")
     rows = ex.fidelity_rows(dataset)
     assert [len(r) for r in rows] == [n for n in LENGTHS if n][:ex.FIDELITY_SEQUENCES]
     ex.save_top2_reference(cache.path, ModelTop2(model), rows)
     monkeypatch.setattr(ex, "open_vllm_backend", None)             # a saved reference: no engine start
-    metrics = ex.check_fidelity(P, P.layout(), cache)
+    metrics = ex.check_fidelity(params, params.layout(), cache)
     assert metrics["fidelity"] == "vllm" and metrics["fidelity_skip_reason"] is None
     assert metrics["checked_tokens"] == sum(len(r) for r in rows) and metrics["decisive_tokens"] > 100
     assert metrics["argmax_agreement"] == 1.0 and metrics["decisive_argmax_agreement"] == 1.0
     assert metrics["top1_logprob_abs_error"] < 1e-4
-    recorded = json.loads(P.layout().metrics.read_text())["extract"]
+    recorded = json.loads(params.layout().metrics.read_text())["extract"]
     assert recorded["decisive_argmax_agreement"] == 1.0 and recorded["fidelity"] == "vllm"
 
     ex.save_top2_reference(cache.path, ModelTop2(model, wrong=True), rows)
     with pytest.raises(CacheError, match="do not give the target's own next tokens"):
-        ex.check_fidelity(P, P.layout(), cache)
-    assert json.loads(P.layout().metrics.read_text())["extract"]["argmax_agreement"] == 0.0
+        ex.check_fidelity(params, params.layout(), cache)
+    assert json.loads(params.layout().metrics.read_text())["extract"]["argmax_agreement"] == 0.0
 
 
 def test_vllm_fidelity_without_a_matching_reference_asks_an_engine(confident_target_dir, tmp_path, dataset,
                                                                   monkeypatch):
     """A cache extracted earlier (no reference beside it, or one for other tokens) gets its
     reference from an engine started for it, once."""
-    P = make_params(confident_target_dir, tmp_path, dtype="float32", fidelity="vllm")
-    extract_hidden_states(P, P.layout(), "eval", dataset=dataset, progress=False)
-    cache = HiddenCache(P.layout().hidden("eval"))
+    params = make_params(confident_target_dir, tmp_path, dtype="float32", fidelity="vllm")
+    extract_hidden_states(params, params.layout(), "eval", dataset=dataset, progress=False)
+    cache = HiddenCache(params.layout().hidden("eval"))
     model = load_target(confident_target_dir, "float32")
     ex.save_top2_reference(cache.path, ModelTop2(model), [[1, 2, 3]])                  # other tokens
     engine = ModelTop2(model)
-    monkeypatch.setattr(ex, "open_vllm_backend", lambda P, path, dist: engine)
-    assert ex.check_fidelity(P, P.layout(), cache)["decisive_argmax_agreement"] == 1.0
+    monkeypatch.setattr(ex, "open_vllm_backend", lambda params, path, dist: engine)
+    assert ex.check_fidelity(params, params.layout(), cache)["decisive_argmax_agreement"] == 1.0
     assert engine.calls == 1
-    ex.check_fidelity(P, P.layout(), cache)                                             # now saved
+    ex.check_fidelity(params, params.layout(), cache)                                   # now saved
     assert engine.calls == 1
 
 
 def test_fidelity_never_records_the_skip_and_loads_nothing(tiny_target_dir, tmp_path, dataset, monkeypatch):
-    P = make_params(tiny_target_dir, tmp_path, fidelity="never")
-    extract_hidden_states(P, P.layout(), "eval", dataset=dataset, progress=False)
+    params = make_params(tiny_target_dir, tmp_path, fidelity="never")
+    extract_hidden_states(params, params.layout(), "eval", dataset=dataset, progress=False)
     monkeypatch.setattr(ex, "load_reference", None)
     monkeypatch.setattr(ex, "load_target_tensors", None)
-    metrics = ex.check_fidelity(P, P.layout(), HiddenCache(P.layout().hidden("eval")))
-    assert metrics == {"fidelity": "skipped", "fidelity_skip_reason": ex.fidelity_plan(P)[1]}
+    metrics = ex.check_fidelity(params, params.layout(), HiddenCache(params.layout().hidden("eval")))
+    assert metrics == {"fidelity": "skipped", "fidelity_skip_reason": ex.fidelity_plan(params)[1]}
     assert "'never'" in metrics["fidelity_skip_reason"]
-    recorded = json.loads(P.layout().metrics.read_text())["extract"]
+    recorded = json.loads(params.layout().metrics.read_text())["extract"]
     assert {k: recorded[k] for k in metrics} == metrics                 # beside the stage's own keys
-    assert recorded["eval_sequences"] == len(HiddenCache(P.layout().hidden("eval")))
+    assert recorded["eval_sequences"] == len(HiddenCache(params.layout().hidden("eval")))
 
 
 def test_hf_fidelity_is_the_fresh_forward_as_before(confident_target_dir, tmp_path, dataset):
-    P = make_params(confident_target_dir, tmp_path, dtype="float32", fidelity="hf")
-    extract_hidden_states(P, P.layout(), "eval", dataset=dataset, progress=False)
-    metrics = ex.check_fidelity(P, P.layout(), HiddenCache(P.layout().hidden("eval")))
+    params = make_params(confident_target_dir, tmp_path, dtype="float32", fidelity="hf")
+    extract_hidden_states(params, params.layout(), "eval", dataset=dataset, progress=False)
+    metrics = ex.check_fidelity(params, params.layout(), HiddenCache(params.layout().hidden("eval")))
     assert metrics["fidelity"] == "hf" and metrics["fidelity_reference"] == "a fresh transformers float32 forward"
     assert metrics["argmax_agreement"] == 1.0 and metrics["decisive_argmax_agreement"] == 1.0
     assert metrics["decisive_tokens"] > 100 and metrics["final_relative_error"] < 1e-5

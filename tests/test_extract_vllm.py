@@ -50,9 +50,9 @@ def runs(smollm2_dir, tmp_path_factory, dataset):
     """The same split extracted by both backends (fp32 target, fp32 cache)."""
     out = {}
     for backend in ("vllm", "hf"):
-        P = make_params(smollm2_dir, tmp_path_factory.mktemp(backend), backend)
-        summary = extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
-        out[backend] = (P, summary, HiddenCache(P.layout().hidden("train")))
+        params = make_params(smollm2_dir, tmp_path_factory.mktemp(backend), backend)
+        summary = extract_hidden_states(params, params.run_dir(), "train", dataset=dataset, progress=False)
+        out[backend] = (params, summary, HiddenCache(params.layout().hidden("train")))
     return out
 
 
@@ -95,18 +95,18 @@ WORKER = textwrap.dedent("""
     from datasets import load_from_disk
     from eagle3lib.extract import extract_hidden_states
     from eagle3lib.params import load_params
-    P = load_params("params/ci.yaml", overrides=__import__("json").loads(sys.argv[1]))
-    extract_hidden_states(P, P.run_dir(), "train", dataset=load_from_disk(sys.argv[2]), progress=False)
+    params = load_params("params/ci.yaml", overrides=__import__("json").loads(sys.argv[1]))
+    extract_hidden_states(params, params.run_dir(), "train", dataset=load_from_disk(sys.argv[2]), progress=False)
 """)
 
 
 @pytest.mark.slow
 def test_sigkill_then_rerun_gives_identical_bytes(runs, smollm2_dir, tmp_path, dataset):
-    P = make_params(smollm2_dir, tmp_path / "out", "vllm")
+    params = make_params(smollm2_dir, tmp_path / "out", "vllm")
     over = {"target": {"path": str(smollm2_dir), "dtype": "float32"}, "output_dir": str(tmp_path / "out"),
             "extract": {"backend": "vllm", "dtype": "float32", "batch_tokens": 256, "shard_tokens": 300}}
     dataset.save_to_disk(str(tmp_path / "ds"))
-    out = P.layout().hidden("train")
+    out = params.layout().hidden("train")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     # its own session, so that the kill takes the vLLM child and engine processes with it
     proc = subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(over), str(tmp_path / "ds")],
@@ -120,7 +120,7 @@ def test_sigkill_then_rerun_gives_identical_bytes(runs, smollm2_dir, tmp_path, d
     proc.wait()
     done = json.loads((out / "manifest.json").read_text())["shards"] if (out / "manifest.json").exists() else []
     assert len(done) < runs["vllm"][1]["num_shards"]                  # killed mid-run
-    resumed = extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
+    resumed = extract_hidden_states(params, params.run_dir(), "train", dataset=dataset, progress=False)
     assert resumed["complete"] and resumed["shards_skipped"] == len(done)
     assert shard_bytes(out) == shard_bytes(Path(runs["vllm"][1]["path"]))
 
@@ -155,11 +155,11 @@ def test_unsupported_architecture_is_a_clear_error_and_writes_nothing(smollm2_di
     cfg = json.loads((smollm2_dir / "config.json").read_text())
     (target / "config.json").unlink()
     (target / "config.json").write_text(json.dumps({**cfg, "architectures": ["FooForCausalLM"]}))
-    P = make_params(target, tmp_path / "out", "vllm")
+    params = make_params(target, tmp_path / "out", "vllm")
     with pytest.raises(CacheError, match=r"extract \(backend vllm\).*\['FooForCausalLM'\] is not one vLLM can run"
                                           r".*extract.backend: hf"):
-        extract_hidden_states(P, P.run_dir(), "train", dataset=dataset, progress=False)
-    out = P.layout().hidden("train")
+        extract_hidden_states(params, params.run_dir(), "train", dataset=dataset, progress=False)
+    out = params.layout().hidden("train")
     assert not list(out.glob("shard-*")) and not (out / "manifest.json").exists()
 
 
@@ -177,8 +177,8 @@ def test_engine_kwargs_from_params(ci_params):
     kw = engine_kwargs(ci_params, "regenerate", "/m", max_model_len=200)
     assert kw["tensor_parallel_size"] == 1 and kw["enforce_eager"] and "max_num_batched_tokens" not in kw
     assert engine_kwargs(ci_params, "eval", "/m", 200)["max_num_batched_tokens"] == 512
-    P = load_params("params/b300.yaml")
-    kw = engine_kwargs(P, "extract", "/k", 4097)
+    params = load_params("params/b300.yaml")
+    kw = engine_kwargs(params, "extract", "/k", 4097)
     assert kw["tensor_parallel_size"] == 8 and kw["enable_expert_parallel"] and kw["trust_remote_code"]
     with pytest.raises(ParamsError, match="data_parallel_size: 2: vLLM's offline engine"):
         build_kwargs("/m", "float32", 100, data_parallel_size=2)

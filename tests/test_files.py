@@ -240,15 +240,15 @@ def test_data_stage_refuses_a_data_link_out_of_the_run(tmp_path):
     deleted in that folder. The stage now stops before writing anything."""
     from eagle3lib.data import prepare_data
     from eagle3lib.params import load_params
-    P = load_params("params/ci.yaml", {"output_dir": str(tmp_path / "outputs")})
-    run = P.run_dir()
+    params = load_params("params/ci.yaml", {"output_dir": str(tmp_path / "outputs")})
+    run = params.run_dir()
     run.mkdir(parents=True)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "stats.json").write_text("mine")
     (run / "data").symlink_to(elsewhere)
     with pytest.raises(UnsafeLink, match="outside the run folder"):
-        prepare_data(P, run, progress=False)
+        prepare_data(params, run, progress=False)
     assert sorted(p.name for p in elsewhere.iterdir()) == ["stats.json"]
     assert (elsewhere / "stats.json").read_text() == "mine"
 

@@ -60,10 +60,10 @@ def make_params(target_dir, out_dir, trust_remote_code=False):
 
 
 def extract(target_dir, out_dir, dataset, model, trust_remote_code=False) -> HiddenCache:
-    P = make_params(target_dir, out_dir, trust_remote_code)
-    summary = ex.extract_hidden_states(P, P.run_dir(), "train", model=model, dataset=dataset, progress=False)
+    params = make_params(target_dir, out_dir, trust_remote_code)
+    summary = ex.extract_hidden_states(params, params.run_dir(), "train", model=model, dataset=dataset, progress=False)
     assert summary["complete"] and summary["hidden_size"] == MINI_KIMI_SHAPE["hidden_size"]
-    return HiddenCache(P.layout().hidden("train"))
+    return HiddenCache(params.layout().hidden("train"))
 
 
 # ---- the target itself ------------------------------------------------------------------------
@@ -152,10 +152,11 @@ def test_capturing_logits_is_refused_and_nothing_is_cached(wrapped_dir, wrapped_
         lm = model.language_model
         return ex.TextDecoder("language_model", lm.model.layers, lm)     # lm's output: logits
     monkeypatch.setattr(ex, "find_text_decoder", logits_instead_of_norm)
-    P = make_params(wrapped_dir, tmp_path, trust_remote_code=True)
+    params = make_params(wrapped_dir, tmp_path, trust_remote_code=True)
     with pytest.raises(CacheError, match=r"\(\d+, \d+, 49152\).*expected \(\d+, \d+, 256\)"):
-        ex.extract_hidden_states(P, P.run_dir(), "train", model=wrapped_model, dataset=dataset, progress=False)
-    out = P.layout().hidden("train")
+        ex.extract_hidden_states(params, params.run_dir(), "train", model=wrapped_model, dataset=dataset,
+                                 progress=False)
+    out = params.layout().hidden("train")
     assert not (out / "manifest.json").exists() and not list(out.glob("shard-*.safetensors"))
     assert not list(out.glob("manifest*.json"))
 

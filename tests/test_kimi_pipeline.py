@@ -102,27 +102,27 @@ def run(tmp_path_factory, kimi_dir):
     """Data (vLLM regeneration), extraction (vLLM backend) and 03's fidelity check of the mini-kimi
     profile, without any transformers model load and with the AMX CPU's attention backend."""
     path = write_params(tmp_path_factory.mktemp("mk"), kimi_dir, {})
-    P = load_params(path)
-    assert P.data.regen_backend == "vllm" and P.extract.backend == "vllm"     # what the profile states
-    assert P.extract.fidelity == "vllm"
+    params = load_params(path)
+    assert params.data.regen_backend == "vllm" and params.extract.backend == "vllm"  # what the profile states
+    assert params.extract.fidelity == "vllm"
     with pytest.MonkeyPatch.context() as mp:
         shim_log = refuse_model_loading(mp, tmp_path_factory.mktemp("shim"))
         mp.setattr(engine, "cpu_flags", lambda: AMX_FLAGS)
-        kwargs = engine.engine_kwargs(P, "extract", kimi_dir, P.data.max_length + 1)
-        stats = prepare_data(P, P.run_dir(), progress=False)
-        extracted = {split: extract_hidden_states(P, P.layout(), split, progress=False)
+        kwargs = engine.engine_kwargs(params, "extract", kimi_dir, params.data.max_length + 1)
+        stats = prepare_data(params, params.run_dir(), progress=False)
+        extracted = {split: extract_hidden_states(params, params.layout(), split, progress=False)
                      for split in ("train", "eval")}
-        saved_reference = (P.layout().hidden("eval") / ex.FIDELITY_REFERENCE).is_file()
+        saved_reference = (params.layout().hidden("eval") / ex.FIDELITY_REFERENCE).is_file()
         mp.setattr(ex, "open_vllm_backend", None)       # the check must not start another engine
-        fidelity = ex.check_fidelity(P, P.layout(), check_cache(P, P.layout(), "eval"))
-    return path, P, stats, extracted, {"engine": kwargs, "shim_log": shim_log, "fidelity": fidelity,
-                                       "saved_reference": saved_reference}
+        fidelity = ex.check_fidelity(params, params.layout(), check_cache(params, params.layout(), "eval"))
+    return path, params, stats, extracted, {"engine": kwargs, "shim_log": shim_log, "fidelity": fidelity,
+                                            "saved_reference": saved_reference}
 
 
 def test_stages_ran_without_transformers_model_loading_and_with_the_amx_backend(run):
     """The shim was active in vLLM's processes (regeneration and extraction) and the patch refuses a
     load; the engines ran with attention_backend CPU_MLA, the choice an AMX CPU gets."""
-    _, P, _, _, checks = run
+    _, params, _, _, checks = run
     assert checks["engine"]["attention_backend"] == "CPU_MLA" and checks["engine"]["dtype"] == "float32"
     patched = checks["shim_log"].read_text().splitlines()
     assert sum("eagle3lib.extract_vllm" in line for line in patched) >= 2, patched   # train + eval engines
@@ -132,35 +132,35 @@ def test_stages_ran_without_transformers_model_loading_and_with_the_amx_backend(
                              env={**os.environ, "PYTHONPATH": str(checks["shim_log"].parent)},
                              capture_output=True, text=True)
     assert refused.returncode != 0 and NO_HF_LOAD in refused.stderr
-    log = (P.layout().hidden("train").parent / "vllm-extract-0.log").read_text()
+    log = (params.layout().hidden("train").parent / "vllm-extract-0.log").read_text()
     assert "Using CPU_MLA backend" in log and "AMX_MLA" not in log
 
 
 def test_fidelity_check_ran_through_vllm_in_the_extraction_engine(run):
     """03's check on the big box's path: the reference was saved by the extraction's own engine
     start, the check read it (opening another engine would fail here), metrics.json records it."""
-    _, P, _, _, checks = run
+    _, params, _, _, checks = run
     fidelity = checks["fidelity"]
     assert checks["saved_reference"]
     assert fidelity["fidelity"] == "vllm" and fidelity["fidelity_skip_reason"] is None
-    cache = HiddenCache(P.layout().hidden("eval"))
+    cache = HiddenCache(params.layout().hidden("eval"))
     assert fidelity["checked_tokens"] == sum(cache.lengths[:ex.FIDELITY_SEQUENCES]) > 50
     assert fidelity["decisive_tokens"] >= 10                       # 26 of 65 on the miniature (sharp head)
     # fp32 everywhere: the cached final state through the head picks vLLM's own top-1
     assert fidelity["argmax_agreement"] >= 0.99 and fidelity["decisive_argmax_agreement"] == 1.0, fidelity
     assert fidelity["top1_logprob_abs_error"] < 1e-3, fidelity
-    recorded = read_json(P.layout().metrics)["extract"]
+    recorded = read_json(params.layout().metrics)["extract"]
     assert recorded["decisive_argmax_agreement"] == fidelity["decisive_argmax_agreement"]
 
 
 def test_vllm_regeneration_equals_the_targets_greedy_answer(run, kimi_dir):
     """The regenerated first answers are the MoE target's own greedy continuation in transformers
     (vLLM fp32 = HF fp32 on MLA + noaux_tc MoE)."""
-    _, P, stats, _, _ = run
+    _, params, stats, _, _ = run
     assert stats.regen.backend == "vllm" and stats.train.conversations == OVERRIDES["data"]["num_train"]
     tok = load_tokenizer(kimi_dir)
     target = load_target(kimi_dir, "float32")
-    results = [r for r in load_results(P.layout().regen(regen_key(P))).values() if r["status"] == "ok"]
+    results = [r for r in load_results(params.layout().regen(regen_key(params))).values() if r["status"] == "ok"]
     assert len(results) >= OVERRIDES["data"]["num_train"]
     for r in sorted(results, key=lambda r: r["id"])[:3]:
         first = next(i for i, m in enumerate(r["messages"]) if m["role"] == "assistant")
@@ -174,13 +174,13 @@ def test_vllm_regeneration_equals_the_targets_greedy_answer(run, kimi_dir):
 def test_vllm_extraction_equals_hf_extraction_on_the_kimi_target(run, tmp_path, kimi_dir):
     """Same tokens and masks, states within fp32 tolerance, and the target head's argmax on the
     cached final state agrees with HF's on >= 99 % of decisive tokens (top-1 leads by > 0.5)."""
-    path, P, _, extracted, _ = run
-    P_hf = load_params(path, overrides={"extract": {"backend": "hf"}, "output_dir": str(tmp_path)})
-    dataset = load_processed(P.run_dir(), "train")
-    hf = extract_hidden_states(P_hf, P_hf.layout(), "train", dataset=dataset, progress=False)
+    path, params, _, extracted, _ = run
+    params_hf = load_params(path, overrides={"extract": {"backend": "hf"}, "output_dir": str(tmp_path)})
+    dataset = load_processed(params.run_dir(), "train")
+    hf = extract_hidden_states(params_hf, params_hf.layout(), "train", dataset=dataset, progress=False)
     assert extracted["train"]["complete"] and hf["complete"]
     assert extracted["train"]["bytes_total"] == hf["bytes_total"]
-    vc, hc = HiddenCache(P.layout().hidden("train")), HiddenCache(P_hf.layout().hidden("train"))
+    vc, hc = HiddenCache(params.layout().hidden("train")), HiddenCache(params_hf.layout().hidden("train"))
     assert vc.aux_layers == hc.aux_layers == [1, 4, 6] and len(vc) == len(hc) == len(dataset)
     head = load_target_tensors(kimi_dir)["lm_head"].float()                          # [V, H]
     worst = {"aux": 0.0, "final": 0.0}
@@ -204,21 +204,21 @@ def test_vllm_extraction_equals_hf_extraction_on_the_kimi_target(run, tmp_path, 
 def trained(run):
     """04's training as the notebook launches it: torchrun, 2 gloo processes, FSDP; transformers'
     model loading refused in every process."""
-    path, P, _, _, _ = run
+    path, params, _, _, _ = run
     cmd = torchrun_command(path, None, 2) + ["--no-progress"]
     with pytest.MonkeyPatch.context() as mp:
-        shim_log = refuse_model_loading(mp, P.run_dir().parent / "shim-train")
+        shim_log = refuse_model_loading(mp, params.run_dir().parent / "shim-train")
         res = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                              timeout=600, cwd=ROOT)
     assert res.returncode == 0, f"{cmd}:\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
     assert len(shim_log.read_text().splitlines()) >= 3      # torchrun and its two workers were patched
-    return json.loads((P.layout().train / "summary.json").read_text())
+    return json.loads((params.layout().train / "summary.json").read_text())
 
 
 def test_two_process_fsdp_training_on_the_kimi_cache(trained, run):
-    P = run[1]
+    params = run[1]
     assert trained["world_size"] == 2 and trained["steps"] == OVERRIDES["train"]["max_steps"]
-    history = json.loads((P.layout().train / "history.json").read_text())
+    history = json.loads((params.layout().train / "history.json").read_text())
     assert [r["step"] for r in history] == list(range(1, OVERRIDES["train"]["max_steps"] + 1))
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in history)
     assert history[-1]["loss"] < history[0]["loss"]
@@ -227,18 +227,18 @@ def test_two_process_fsdp_training_on_the_kimi_cache(trained, run):
 def test_export_decodes_losslessly_against_the_moe_target(trained, run):
     """05's path with the reference decoder: the exported drafter (what vLLM reads) proposes, the
     MLA + MoE target verifies, and every output equals plain greedy decoding in fp32 at T=0."""
-    P = run[1]
-    L = P.layout()
-    setup = ev.load_eval_setup(P, P.run_dir())
+    params = run[1]
+    layout = params.layout()
+    setup = ev.load_eval_setup(params, params.run_dir())
     assert setup.reference_skip is None and len(setup.decoder_prompts) >= 1
-    export_dir = export_vllm(ev.trained_drafter_dir(L), L.export, setup.target_dir, layout="speculators", k=3)
+    export_dir = export_vllm(ev.trained_drafter_dir(layout), layout.export, setup.target_dir, layout="speculators", k=3)
     cfg = json.loads((export_dir / "config.json").read_text())
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 4, 6]
     drafter = load_export(export_dir, setup.target_dir)
     methods = [ev.eagle3_method(drafter, 3), ev.ngram_method(3, 1, 3)]
     per_prompt, outputs = ev.run_decoder_eval(setup.target, setup.decoder_prompts, methods, 12,
                                               eos_token_id=setup.eos, progress=False)
-    assert "NOT" not in ev.check_lossless(per_prompt, P)
+    assert "NOT" not in ev.check_lossless(per_prompt, params)
     eagle = per_prompt[per_prompt["method"] == "eagle3_k3"]
     assert eagle["lossless"].all() and len(eagle) == len(setup.decoder_prompts)
     assert outputs["eagle3_k3"] == outputs[ev.PLAIN] and all(len(o) > 0 for o in outputs[ev.PLAIN])

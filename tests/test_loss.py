@@ -220,11 +220,11 @@ def test_a_tiny_lk_run_raises_the_heldout_acceptance_estimate(tmp_path, token_ma
     from eagle3lib.train import setup, train
     path = make_run(tmp_path, token_map_target_dir, {"max_steps": 16, "resume": False, "loss": "lk"},
                     draft_vocab_size=320)
-    P = load_params(path)
-    run0 = setup(P, RunLayout(P.run_dir()), Dist(), torch.device("cpu"))   # the drafter train() starts from
+    params = load_params(path)
+    run0 = setup(params, RunLayout(params.run_dir()), Dist(), torch.device("cpu"))  # the drafter train() starts from
     assert run0.scoring.objective.loss == "lk"
-    before = heldout_scores(run0.model, run0.eval_batches, P.train.ttt_steps, run0.scoring.amp)
-    summary = train(P, P.run_dir(), progress=False)
+    before = heldout_scores(run0.model, run0.eval_batches, params.train.ttt_steps, run0.scoring.amp)
+    summary = train(params, params.run_dir(), progress=False)
     after = summary["eval"]
     assert summary["steps"] == 16
     # measured: 1.00 -> 1.14 (kl: 1.00 -> 1.12); step 0 has ~1 % top-1 hits

@@ -132,8 +132,9 @@ def test_runner_executes_writes_html_and_names_the_failing_cell(tmp_path):
                     f"output_dir: {tmp_path / 'out'}\nrun_name: t\n")
     ok = tiny_notebook(["import json, pathlib\n"
                     "from eagle3lib.params import load_params\n"
-                    "P = load_params(params_path)\n"
-                    "pathlib.Path(P.run_dir(run_name), 'seen.json').write_text(json.dumps([params_path, run_name]))"])
+                    "params = load_params(params_path)\n"
+                    "pathlib.Path(params.run_dir(run_name), 'seen.json')"
+                    ".write_text(json.dumps([params_path, run_name]))"])
     bad = tiny_notebook(["x = 1", "raise ValueError('boom in data')"])
     nbformat.write(ok, str(nbdir / "00_research.ipynb"))
     nbformat.write(bad, str(nbdir / "01_ngram_baseline.ipynb"))
@@ -236,12 +237,12 @@ def test_cpu_rates_follow_the_host_kind(monkeypatch, tmp_path):
     (bench/recorded_stage_times.json). An empty run folder: no measured rates of an earlier run of
     the profile (outputs/local) apply."""
     from eagle3lib import stage_times
-    P = load_params("params/local.yaml")
+    params = load_params("params/local.yaml")
     empty = RunLayout(tmp_path / "local")
     monkeypatch.setattr(stage_times, "cpu_has_native_bf16", lambda: True)
-    native = capacity_plan(P, None, memory=False, layout=empty)
+    native = capacity_plan(params, None, memory=False, layout=empty)
     monkeypatch.setattr(stage_times, "cpu_has_native_bf16", lambda: False)
-    avx2 = capacity_plan(P, None, memory=False, layout=empty)
+    avx2 = capacity_plan(params, None, memory=False, layout=empty)
     recorded = {r["host_kind"]: r["rates"] for r in stage_times.recorded_runs()
                 if "extract_tokens_per_s" in r.get("rates", {})}              # the full records (local, local-long)
     assert native["extract_tokens_per_s"] == recorded["native_bf16"]["extract_tokens_per_s"][0]
@@ -249,7 +250,7 @@ def test_cpu_rates_follow_the_host_kind(monkeypatch, tmp_path):
     assert native["extract_rate_basis"].startswith("measured (local, ")
     assert avx2["regen_hours"] > 2.5 * native["regen_hours"] and avx2["extract_hours"] > 2 * native["extract_hours"]
     assert "avx2" in avx2["throughput_basis"] and "native bf16" in native["throughput_basis"]
-    share = P.train.time_budget_minutes / 60 / avx2["train_hours"]
+    share = params.train.time_budget_minutes / 60 / avx2["train_hours"]
     assert f"stops it after ~{share:.0%} of the planned tokens" in format_plan(avx2)      # the user sees the cut
     unlimited = capacity_plan(load_params("params/local.yaml", {"train": {"time_budget_minutes": None}}), None,
                               memory=False, layout=empty)

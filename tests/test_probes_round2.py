@@ -140,8 +140,8 @@ def test_a_lone_surrogate_escape_is_a_counted_malformed_record(tmp_path, suffix)
     assert stats["malformed"] == {"invalid_json": 1} and [c["id"] for c in chats] == ["c0", "c2"]
     bad = [r for r in C.iter_raw_records(str(src)) if isinstance(r, C.MalformedRecord)]
     assert src.name in str(bad[0]) and "lone surrogate escape \\ud800" in str(bad[0])
-    P = load_params(CI, {"data": {"source": str(src), "max_records": None, "num_eval": 1}})
-    counts = count_sources(P, cache_dir=tmp_path / "counts")
+    params = load_params(CI, {"data": {"source": str(src), "max_records": None, "num_eval": 1}})
+    counts = count_sources(params, cache_dir=tmp_path / "counts")
     assert counts[0]["chats"] == 2 and counts[0]["malformed"] == {"invalid_json": 1}, counts
 
 
@@ -233,18 +233,18 @@ def test_an_empty_dataset_is_refused_and_not_marked_done(tmp_path):
     marker) with 0 train chats; 03 and 04 then died with IndexError from `datasets`."""
     from eagle3lib.data import EmptyDataset, prepare_data
     from eagle3lib.layout import RunLayout
-    P = load_params(_ci_profile(tmp_path, "data: {max_length: 16}\n"))
+    params = load_params(_ci_profile(tmp_path, "data: {max_length: 16}\n"))
     with pytest.raises(EmptyDataset, match=r"no train sequence left .*longer than data.max_length \(16\)"):
-        prepare_data(P, P.run_dir(), progress=False)
-    assert not RunLayout(P.run_dir()).stats.exists()
+        prepare_data(params, params.run_dir(), progress=False)
+    assert not RunLayout(params.run_dir()).stats.exists()
 
 
 def test_num_train_over_what_the_sources_hold_is_said(tmp_path):
     """Reproduction: num_train: 1000 with 18 chats available trained on 18 without a word."""
     from eagle3lib.plan import refuse_full_run
-    P = load_params(_ci_profile(tmp_path, "data: {num_train: 100000}\n"))
+    params = load_params(_ci_profile(tmp_path, "data: {num_train: 100000}\n"))
     said = []
-    warnings = refuse_full_run(P, log=said.append)
+    warnings = refuse_full_run(params, log=said.append)
     assert any(w.startswith("data.num_train: 100,000 asked, the sources hold") for w in warnings), warnings
     assert any("data.num_train" in s for s in said)
 
@@ -260,8 +260,8 @@ import resource, sys
 from eagle3lib.params import load_params
 from eagle3lib.target import load_tokenizer, target_path
 from eagle3lib.data import first_answer_fits, tokenize_chat
-P = load_params({str(CI)!r})
-tok = load_tokenizer(target_path(P), False)
+params = load_params({str(CI)!r})
+tok = load_tokenizer(target_path(params), False)
 long = ("lorem ipsum dolor sit amet, consectetur adipiscing elit " * 400_000)[:20_000_000]
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 row = tokenize_chat(tok, [{{"role": "user", "content": "hi"}}, {{"role": "assistant", "content": long}}], 128)

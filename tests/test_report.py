@@ -17,8 +17,8 @@ def fake_run(root: Path, name: str, lr: float, acc: float, with_eval: bool = Tru
     """A run folder as the stages leave it: params.yaml, metrics.json sections, train/history.json."""
     run = root / name
     (run / "train").mkdir(parents=True)
-    P = load_params("params/ci.yaml", overrides={"run_name": name, "train": {"lr": lr}})
-    (run / "params.yaml").write_text(dump(P))
+    params = load_params("params/ci.yaml", overrides={"run_name": name, "train": {"lr": lr}})
+    (run / "params.yaml").write_text(dump(params))
     metrics = {"runner": {"stage_seconds": {"data": 12.5, "train": 30.0}, "git_commit": "abc123def456",
                           "machine": {"cpu": "Test CPU", "cores": 2, "cpu_native_bf16": False, "gpus": []},
                           "params_path": "params/ci.yaml"},
@@ -34,7 +34,15 @@ def fake_run(root: Path, name: str, lr: float, acc: float, with_eval: bool = Tru
     history[4]["eval"] = {"acceptance_estimate": 1 + acc / 2}
     history[11]["eval"] = {"acceptance_estimate": 1 + acc}
     (run / "train" / "history.json").write_text(json.dumps(history))
+    for stem in ("02_data", "04_train") + (("05_eval",) if with_eval else ()):     # the executed notebooks
+        executed(run, stem)
     return run
+
+
+def executed(run: Path, stem: str) -> None:
+    """The executed copy of a stage's notebook and its html, as the runner leaves them."""
+    (run / f"{stem}.ipynb").write_text("{}")
+    (run / f"{stem}.html").write_text(f"<html><body>{stem}</body></html>")
 
 
 def test_index_page_shows_params_stage_times_headlines_plots_and_links(tmp_path):
@@ -45,6 +53,7 @@ def test_index_page_shows_params_stage_times_headlines_plots_and_links(tmp_path)
     assert "| train | held-out acceptance length, estimated | 1.200 |" in md     # a headline number
     assert "| data | [02_data](02_data.html) ([ipynb](02_data.ipynb)) | 12.5 |" in md     # wall time, links
     assert '<a href="05_eval.html">05_eval</a>' in page
+    assert "| ngram | 01_ngram_baseline (not run) | - |" in md                  # no executed copy: no link
     assert "eagle3_k3 is 2.09x faster" in page                                # the verdict
     assert page.count("<img src=\"data:image/png;base64,") == 3              # curve, per position, speed
     assert "lr: 0.001" in page and "<details><summary>Params in use" in page  # params, collapsed
@@ -76,6 +85,7 @@ def test_the_index_lists_the_scaling_study_and_its_verdict_once_it_ran(tmp_path)
     metrics["runner"]["stage_seconds"]["scaling"] = 3000.0
     metrics["scaling"] = {"verdict": "Verdict (vLLM): from 250 to 2000 chats, each doubling added +0.100"}
     (run / "metrics.json").write_text(json.dumps(metrics))
+    executed(run, "06_scaling")
     write_index(run)
     md = (run / "index.md").read_text()
     row = next(line for line in md.splitlines() if line.startswith("| scaling | [06_scaling](06_scaling.html)"))

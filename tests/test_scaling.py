@@ -35,27 +35,28 @@ def test_a_flat_or_falling_curve_never_reaches_a_target():
 
 
 def test_point_params_train_n_chats_for_matched_epochs_without_caps():
-    P = load_params("params/local.yaml")
-    Q = sc.point_params(P, 500)
-    assert (Q.train.max_sequences, Q.train.epochs, Q.train.max_steps, Q.train.time_budget_minutes) == \
-        (500, P.scaling.epochs, None, None)
-    assert (Q.train.lr, Q.train.optimizer, Q.data, Q.extract) == (P.train.lr, P.train.optimizer, P.data, P.extract)
+    params = load_params("params/local.yaml")
+    point = sc.point_params(params, 500)
+    assert (point.train.max_sequences, point.train.epochs, point.train.max_steps, point.train.time_budget_minutes) == \
+        (500, params.scaling.epochs, None, None)
+    assert (point.train.lr, point.train.optimizer, point.data, point.extract) == \
+        (params.train.lr, params.train.optimizer, params.data, params.extract)
 
 
 def test_a_point_folder_links_the_runs_data_and_cache_and_refuses_a_stranger(tmp_path):
-    L = RunLayout(tmp_path / "run")
-    (L.data).mkdir(parents=True)
-    (L.hidden("train")).mkdir(parents=True)
-    (L.data / "vocab.safetensors").write_text("v")
-    point = sc.point_layout(L, 250)
+    layout = RunLayout(tmp_path / "run")
+    (layout.data).mkdir(parents=True)
+    (layout.hidden("train")).mkdir(parents=True)
+    (layout.data / "vocab.safetensors").write_text("v")
+    point = sc.point_layout(layout, 250)
     assert point.root == tmp_path / "run" / "scaling" / "n000250"
     assert os.readlink(point.data) == os.path.join("..", "..", "data")    # relative: the run folder can move
     assert (point.vocab).read_text() == "v" and point.hidden("train").is_dir()
-    assert sc.point_layout(L, 250) == point                              # idempotent
-    other = L.scaling_point(500)
+    assert sc.point_layout(layout, 250) == point                         # idempotent
+    other = layout.scaling_point(500)
     (other / "data").mkdir(parents=True)
     with pytest.raises(FileExistsError, match="expected a link"):
-        sc.point_layout(L, 500)
+        sc.point_layout(layout, 500)
 
 
 def test_a_point_passes_the_training_stage_link_check(tmp_path, monkeypatch):
@@ -69,12 +70,12 @@ def test_a_point_passes_the_training_stage_link_check(tmp_path, monkeypatch):
     def stop(*args, **kwargs):
         raise PastTheLinkCheck
     monkeypatch.setattr(train_module, "Dist", stop)        # the first step after the link check
-    P = load_params("params/ci.yaml", {"output_dir": str(tmp_path / "outputs")})
-    L = P.layout()
-    L.data.mkdir(parents=True)
-    L.hidden("train").mkdir(parents=True)
+    params = load_params("params/ci.yaml", {"output_dir": str(tmp_path / "outputs")})
+    layout = params.layout()
+    layout.data.mkdir(parents=True)
+    layout.hidden("train").mkdir(parents=True)
     with pytest.raises(PastTheLinkCheck):
-        sc.train_point(P, L, 8)
+        sc.train_point(params, layout, 8)
 
 
 @pytest.mark.parametrize("text, match", [
@@ -99,12 +100,12 @@ def test_the_study_is_an_optional_stage():
 
 
 def test_run_study_refuses_a_profile_without_sizes_or_with_more_chats_than_the_run_has(tmp_path):
-    P = load_params("params/mini-kimi.yaml")
+    params = load_params("params/mini-kimi.yaml")
     with pytest.raises(ValueError, match="scaling.sizes is empty"):
-        sc.run_study(P, P.layout())
-    Q = load_params("params/ci.yaml", overrides={"output_dir": str(tmp_path), "data": {"num_train": 10}})
+        sc.run_study(params, params.layout())
+    point = load_params("params/ci.yaml", overrides={"output_dir": str(tmp_path), "data": {"num_train": 10}})
     with pytest.raises(ValueError, match="the largest size 16 exceeds data.num_train=10"):
-        sc.run_study(Q, Q.layout())
+        sc.run_study(point, point.layout())
     assert not (tmp_path / "ci").exists()                                  # refused before any work
 
 
@@ -121,14 +122,14 @@ def test_the_plot_draws_points_fit_and_extrapolation():
 
 
 def test_a_recipe_variant_of_a_point_lives_in_its_own_folder_and_changes_only_the_recipe(tmp_path):
-    L = RunLayout(tmp_path / "run")
-    L.data.mkdir(parents=True)
-    assert sc.point_layout(L, 2000, "lk_hybrid").root.name == "n002000-lk_hybrid"
-    P = load_params("params/local.yaml")
-    base, lk = sc.point_params(P, 2000), sc.point_params(P, 2000, loss="lk_hybrid")
+    layout = RunLayout(tmp_path / "run")
+    layout.data.mkdir(parents=True)
+    assert sc.point_layout(layout, 2000, "lk_hybrid").root.name == "n002000-lk_hybrid"
+    params = load_params("params/local.yaml")
+    base, lk = sc.point_params(params, 2000), sc.point_params(params, 2000, loss="lk_hybrid")
     assert lk.train.loss == "lk_hybrid" and base.train.loss == "kl"
     assert {k for k, v in vars(lk.train).items() if vars(base.train)[k] != v} == {"loss"}
     with pytest.raises(ValueError, match="a variant needs both"):
-        sc.train_point(P, L, 2000, variant="lk_hybrid")
+        sc.train_point(params, layout, 2000, variant="lk_hybrid")
     with pytest.raises(ValueError, match="a variant needs both"):
-        sc.train_point(P, L, 2000, loss="lk")
+        sc.train_point(params, layout, 2000, loss="lk")

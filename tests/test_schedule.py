@@ -57,9 +57,10 @@ def test_bad_cadence_is_refused_naming_the_key(tmp_path, text, key):
 
 
 def test_warmup_and_checkpoints_as_shares_of_the_planned_steps(tmp_path):
-    t = profile(tmp_path, "train: {warmup_fraction: 0.03, checkpoint_fraction: 0.1}").train
-    assert (planned_warmup(t, 828), checkpoint_interval(t, 828)) == (25, 83)
-    assert (planned_warmup(t, 10), checkpoint_interval(t, 3)) == (0, 1)      # at least one step between checkpoints
+    train_params = profile(tmp_path, "train: {warmup_fraction: 0.03, checkpoint_fraction: 0.1}").train
+    assert (planned_warmup(train_params, 828), checkpoint_interval(train_params, 828)) == (25, 83)
+    # at least one step between checkpoints
+    assert (planned_warmup(train_params, 10), checkpoint_interval(train_params, 3)) == (0, 1)
     fixed = profile(tmp_path, "train: {warmup_steps: 2, checkpoint_every: 5}").train
     assert (planned_warmup(fixed, 828), checkpoint_interval(fixed, 828)) == (2, 5)
     assert max_warmup_steps(828) == 83 and max_warmup_steps(12) == 2
@@ -75,9 +76,9 @@ class Lengths:
 
 def test_schedule_refuses_a_warmup_the_cache_makes_too_long_before_the_first_step(tmp_path):
     cache = Lengths([32] * 64)                    # 64 sequences of 32 tokens: 16 micro-batches of 128 tokens
-    t = profile(tmp_path, "train: {batch_tokens: 128, max_steps: null, epochs: 2, warmup_steps: 8}").train
+    train_params = profile(tmp_path, "train: {batch_tokens: 128, max_steps: null, epochs: 2, warmup_steps: 8}").train
     with pytest.raises(ValueError, match=r"train.warmup_steps: 8 warmup steps are 25% of the 32 planned"):
-        schedule(cache, t, seed=0, world=1)
+        schedule(cache, train_params, seed=0, world=1)
     ok = profile(tmp_path, "train: {batch_tokens: 128, max_steps: null, epochs: 2, warmup_fraction: 0.1}").train
     assert schedule(cache, ok, seed=0, world=1)[3] == 32
 
@@ -132,8 +133,8 @@ def test_a_point_keeps_the_main_runs_warmup_share():
 
 def eval_steps(params_path) -> list:
     """Steps at which the run checkpointed and ran the held-out eval (history.json)."""
-    P = load_params(params_path)
-    history = json.loads(RunLayout(P.run_dir()).history.read_text())
+    params = load_params(params_path)
+    history = json.loads(RunLayout(params.run_dir()).history.read_text())
     return [r["step"] for r in history if "eval" in r]
 
 

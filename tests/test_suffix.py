@@ -16,24 +16,24 @@ from eagle3lib.params import ParamsError, load_params
 
 def test_suffix_mode_and_its_speculative_config():
     m = vllm_bench.mode("suffix", 4)
-    assert (m["name"], m["k"]) == ("suffix_k4", 4)
+    assert (m.name, m.k) == ("suffix_k4", 4)
     assert vllm_bench.speculative_config(m) == {"method": "suffix", "num_speculative_tokens": 4}
     with pytest.raises(ValueError, match="needs k >= 1"):
         vllm_bench.mode("suffix")
-    names = [x["name"] for x in ev.vllm_modes([(4, 1, 4)], suffix_k=4)]
+    names = [x.name for x in ev.vllm_modes([(4, 1, 4)], suffix_k=4)]
     assert names == ["plain", "ngram_k4_n1-4", "suffix_k4"]
-    assert [x["name"] for x in ev.vllm_modes([(4, 1, 4)])] == ["plain", "ngram_k4_n1-4"]
+    assert [x.name for x in ev.vllm_modes([(4, 1, 4)])] == ["plain", "ngram_k4_n1-4"]
 
 
 def test_missing_arctic_inference_is_a_clear_error(smollm2_dir, monkeypatch):
-    spec = {"target": str(smollm2_dir), "prompts": [[1, 2, 3]], "max_new_tokens": 4,
-            "modes": [vllm_bench.mode("plain"), vllm_bench.mode("suffix", 3)]}
-    vllm_bench._check_spec(spec)                                     # installed here by make setup
+    spec = vllm_bench.BenchSpec(target=str(smollm2_dir), prompts=[[1, 2, 3]], max_new_tokens=4,
+                                modes=[vllm_bench.mode("plain"), vllm_bench.mode("suffix", 3)])
+    spec.check_runnable()                                            # installed here by make setup
     real = vllm_bench.importlib.util.find_spec
     monkeypatch.setattr(vllm_bench.importlib.util, "find_spec",
                         lambda name, *a: None if name == "arctic_inference" else real(name, *a))
     with pytest.raises(ModuleNotFoundError, match=r"suffix_k3.*arctic-inference.*make setup.*eval.suffix_baseline"):
-        vllm_bench._check_spec(spec)
+        spec.check_runnable()
 
 
 def summary(suffix_tps: float) -> pd.DataFrame:

@@ -168,10 +168,10 @@ def test_chunks_without_token_ids_are_refused(tmp_path):
 
 def test_thinking_param_is_validated_and_keys_the_caches():
     base = {"regenerate": True, "regen_max_new_tokens": 64, "max_length": 256}
-    P_off = load_params("params/ci.yaml", {"data": {**base, "thinking": "off"}})
-    P_auto = load_params("params/ci.yaml", {"data": base})
-    assert R.regen_key(P_off) != R.regen_key(P_auto)
-    assert D.cache_key(P_off)["data_hash"] != D.cache_key(P_auto)["data_hash"]
+    params_off = load_params("params/ci.yaml", {"data": {**base, "thinking": "off"}})
+    params_auto = load_params("params/ci.yaml", {"data": base})
+    assert R.regen_key(params_off) != R.regen_key(params_auto)
+    assert D.cache_key(params_off)["data_hash"] != D.cache_key(params_auto)["data_hash"]
     with pytest.raises(ParamsError, match="data.thinking: must be one of"):
         load_params("params/ci.yaml", {"data": {"thinking": "yes"}})
     big = {"extract": {"batch_tokens": 8192}, "train": {"batch_tokens": 8192}}
@@ -233,9 +233,9 @@ def test_prepare_data_caches_the_generated_ids(kimi_dir, ktok, tmp_path, monkeyp
             return out
 
     monkeypatch.setattr(R, "HFGenerator", FakeHF)
-    P = kimi_params(kimi_dir, tmp_path, thinking=thinking)
-    run_dir = P.run_dir("r")
-    stats = D.prepare_data(P, run_dir, progress=False)
+    params = kimi_params(kimi_dir, tmp_path, thinking=thinking)
+    run_dir = params.run_dir("r")
+    stats = D.prepare_data(params, run_dir, progress=False)
     regen = stats.regen
     assert regen.conversations == 7 and regen.kept == 7
     assert regen.cut_inconsistent == (7 if thinking == "on" else 0)
@@ -265,10 +265,10 @@ def test_eval_prompts_follow_data_thinking(kimi_dir, tmp_path, ktok):
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text(json.dumps({"prompt": "What is 2+2?"}) + "\n")
     for thinking, suffix in (("on", "<think>"), ("off", "<think></think>")):
-        P = load_params("params/ci.yaml", {"target": {"path": str(kimi_dir)},
-                                           "data": {"thinking": thinking, "regenerate": False},
-                                           "eval": {"prompts_path": str(prompts_file)}})
-        [prompt], skipped = eval_prompts(P, tmp_path, ktok)
+        params = load_params("params/ci.yaml", {"target": {"path": str(kimi_dir)},
+                                                "data": {"thinking": thinking, "regenerate": False},
+                                                "eval": {"prompts_path": str(prompts_file)}})
+        [prompt], skipped = eval_prompts(params, tmp_path, ktok)
         messages = [{"role": "user", "content": "What is 2+2?"}]
         assert prompt["input_ids"] == prompt_ids(ktok, messages, thinking) and skipped == 0
         assert ktok.decode(prompt["input_ids"]).endswith("<|im_middle|>" + suffix)
@@ -282,10 +282,10 @@ def test_vllm_regeneration_stores_the_ids_vllm_generated(smollm2_dir, tmp_path):
     instant answer at once), up to two turns: every turn's prompt is the rendered history and extends
     the sequence before it, and a second vLLM run (vllm_bench, plain greedy, one request at a time,
     fp32) from the stored first prompts generates exactly the stored ids."""
-    from eagle3lib.vllm_bench import mode, run_vllm
+    from eagle3lib.vllm_bench import BenchSpec, mode, run_vllm
     max_new = 12
     tok = load_tokenizer(smollm2_dir)
-    P = load_params("params/ci.yaml", {
+    params = load_params("params/ci.yaml", {
         "target": {"path": str(smollm2_dir), "dtype": "float32"}, "output_dir": str(tmp_path),
         "data": {"regenerate": True, "regen_backend": "vllm", "regen_max_new_tokens": max_new, "regen_batch_size": 2,
                  "max_length": 256, "regen_max_turns": 2}})
@@ -296,9 +296,9 @@ def test_vllm_regeneration_stores_the_ids_vllm_generated(smollm2_dir, tmp_path):
     essay = {"id": "essay", "messages": [{"role": "user", "content": "Write a long essay about rivers."},
                                          {"role": "assistant", "content": "Rivers..."}]}
     chats = [short, TWO_TURNS, ONE_TURN, essay]
-    kept, stats = R.regenerate_chats(P, tmp_path / "run", chats, progress=False)
+    kept, stats = R.regenerate_chats(params, tmp_path / "run", chats, progress=False)
     assert stats["backend"] == "vllm" and stats["kept"] == 4
-    results = {r["id"]: r for r in R.load_results(RunLayout(tmp_path / "run").regen(R.regen_key(P))).values()}
+    results = {r["id"]: r for r in R.load_results(RunLayout(tmp_path / "run").regen(R.regen_key(params))).values()}
     for r in results.values():
         answers = [i for i, m in enumerate(r["messages"]) if m["role"] == "assistant"]
         sequence = []
@@ -313,7 +313,7 @@ def test_vllm_regeneration_stores_the_ids_vllm_generated(smollm2_dir, tmp_path):
         assert r["turns"] == 2 or r["capped"] or r["inconsistent"] or r["id"] not in ("short", "two")
     assert results["essay"]["capped"] and any(r["turns"] == 2 for r in results.values())   # one stayed consistent
     first_prompts = [results[c["id"]]["prompt_ids"][0] for c in chats]
-    raw = run_vllm({"target": str(smollm2_dir), "dtype": "float32", "prompts": first_prompts,
-                    "max_new_tokens": max_new, "temperature": 0.0, "modes": [mode("plain")]},
+    raw = run_vllm(BenchSpec(target=str(smollm2_dir), dtype="float32", prompts=first_prompts,
+                             max_new_tokens=max_new, temperature=0.0, modes=[mode("plain")]),
                    workdir=tmp_path / "bench")
     assert raw["modes"][0]["outputs"] == [results[c["id"]]["output_ids"][0] for c in chats]

@@ -80,25 +80,25 @@ def make_run(root: Path, target_dir: Path, train_overrides: dict, n_train=24, n_
     """A run folder with data/vocab.safetensors and hidden/{train,eval}; returns the params file."""
     from transformers import AutoModelForCausalLM
     aux_layers = [1, 3, 4]
-    params = {"inherit": str(Path(__file__).resolve().parents[1] / "params" / "ci.yaml"),
-              "run_name": "t", "output_dir": str(root), "seed": 3,
-              "target": {"path": str(target_dir), "dtype": "float32"},
-              "data": {"draft_vocab_size": draft_vocab_size, "max_length": 64},
-              "extract": {"aux_layers": aux_layers},
-              "train": {"ttt_steps": 3, "lr": 3e-3, "warmup_steps": 2, "batch_tokens": 128,
-                        "checkpoint_every": 2, "eval_sequences": 4, **train_overrides}}
+    profile = {"inherit": str(Path(__file__).resolve().parents[1] / "params" / "ci.yaml"),
+               "run_name": "t", "output_dir": str(root), "seed": 3,
+               "target": {"path": str(target_dir), "dtype": "float32"},
+               "data": {"draft_vocab_size": draft_vocab_size, "max_length": 64},
+               "extract": {"aux_layers": aux_layers},
+               "train": {"ttt_steps": 3, "lr": 3e-3, "warmup_steps": 2, "batch_tokens": 128,
+                         "checkpoint_every": 2, "eval_sequences": 4, **train_overrides}}
     root.mkdir(parents=True, exist_ok=True)
     path = root / "params.yaml"
-    path.write_text(yaml.safe_dump(params))
-    P = load_params(path)
-    run_dir = P.run_dir()
+    path.write_text(yaml.safe_dump(profile))
+    params = load_params(path)
+    run_dir = params.run_dir()
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     train_seqs, eval_seqs = synthetic_sequences(n_train, 1), synthetic_sequences(n_eval, 2)
     counts = count_assistant_tokens(train_seqs, target.config.vocab_size)
     d2t, t2d = build_draft_vocab(counts, draft_vocab_size)
     save_vocab(run_dir / "data" / "vocab.safetensors", d2t, t2d)
-    write_cache(run_dir / "hidden" / "train", target, train_seqs, aux_layers, cache_params_hash(P), poison=poison)
-    write_cache(run_dir / "hidden" / "eval", target, eval_seqs, aux_layers, cache_params_hash(P))
+    write_cache(run_dir / "hidden" / "train", target, train_seqs, aux_layers, cache_params_hash(params), poison=poison)
+    write_cache(run_dir / "hidden" / "eval", target, eval_seqs, aux_layers, cache_params_hash(params))
     return path
 
 
@@ -110,9 +110,9 @@ def run_script(params_path: Path, extra: str = "", nproc: int = 1, check=True) -
         "import os, signal, sys\n"
         "from eagle3lib.params import load_params\n"
         "from eagle3lib.train import train\n"
-        f"P = load_params({str(params_path)!r})\n"
+        f"params = load_params({str(params_path)!r})\n"
         "callback = None\n" + extra +
-        "train(P, P.run_dir(), progress=False, callback=callback)\n")
+        "train(params, params.run_dir(), progress=False, callback=callback)\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # several processes: the same torchrun command the notebook launches
     cmd = [sys.executable, str(script)] if nproc == 1 else \
@@ -377,9 +377,9 @@ def test_init_from_target_layer_reproduces_that_target_layer(tiny_target_dir):
 # ---- training runs -----------------------------------------------------------------------------
 def test_tiny_run_learns_and_writes_a_vllm_named_final_drafter(tmp_path, sharp_target_dir):
     path = make_run(tmp_path, sharp_target_dir, {"max_steps": 16, "resume": False})
-    P = load_params(path)
+    params = load_params(path)
     records = []
-    summary = train(P, P.run_dir(), progress=False, callback=records.append)
+    summary = train(params, params.run_dir(), progress=False, callback=records.append)
     assert summary["steps"] == 16 and len(records) == 16
     first, last = records[0], records[-1]
     assert last["loss"] < 0.8 * first["loss"], (first["loss"], last["loss"])
@@ -396,10 +396,10 @@ def test_tiny_run_learns_and_writes_a_vllm_named_final_drafter(tmp_path, sharp_t
             "midlayer.self_attn.q_proj.weight"} <= set(weights)
     assert weights["lm_head.weight"].shape == (cfg.draft_vocab_size, cfg.hidden_size)
     assert cfg.aux_layer_ids == [1, 3, 4] and cfg.norm_before_residual is True
-    ckpts = sorted((P.run_dir() / "train" / "checkpoints").glob("step-*"))
+    ckpts = sorted((params.run_dir() / "train" / "checkpoints").glob("step-*"))
     assert [c.name for c in ckpts] == ["step-000014", "step-000016"]         # the last two kept
     # fc was trained on aux / s (fc_input_scaling): final/ holds it folded, fc'(a) = fc(a / s)
-    s = aux_scale(HiddenCache(P.run_dir() / "hidden" / "train"))
+    s = aux_scale(HiddenCache(params.run_dir() / "hidden" / "train"))
     last = load_file(str(ckpts[-1] / "checkpoint.safetensors"))
     torch.testing.assert_close(weights["fc.weight"] * s.reshape(1, -1), last["model.drafter.fc.weight"],
                                rtol=1e-5, atol=1e-6)
@@ -408,9 +408,9 @@ def test_tiny_run_learns_and_writes_a_vllm_named_final_drafter(tmp_path, sharp_t
 
 def test_non_finite_loss_names_the_step(tmp_path, sharp_target_dir):
     path = make_run(tmp_path, sharp_target_dir, {"max_steps": 30, "resume": False}, poison=True)
-    P = load_params(path)
+    params = load_params(path)
     with pytest.raises(FloatingPointError, match=r"train step \d+: loss is (nan|inf)"):
-        train(P, P.run_dir(), progress=False)
+        train(params, params.run_dir(), progress=False)
 
 
 def test_resume_after_sigkill_reaches_the_uninterrupted_weights(tmp_path, sharp_target_dir):
@@ -473,9 +473,9 @@ from eagle3lib.dist import Dist
 from eagle3lib.layout import RunLayout
 from eagle3lib.params import load_params
 from eagle3lib.train import heldout_eval, setup
-P = load_params(sys.argv[1])
+params = load_params(sys.argv[1])
 dist = Dist()
-run = setup(P, RunLayout(P.run_dir()), dist, torch.device("cpu"))
+run = setup(params, RunLayout(params.run_dir()), dist, torch.device("cpu"))
 out = {"eval": heldout_eval(run), "forwards": len(run.eval_batches), "mine": len(run.eval_batches.batches)}
 with open(sys.argv[2] + f".{dist.rank}.json", "w") as f:
     json.dump(out, f)
@@ -522,19 +522,19 @@ def test_design_choices_are_wired_and_the_time_budget_stops_cleanly(tmp_path, sh
                "feature_noise": 0.3,
                "decay": 0.5, "max_steps": 50, "time_budget_minutes": 1e-4, "resume": False}
     path = make_run(tmp_path, sharp_target_dir, choices)
-    P = load_params(path)
-    summary = train(P, P.run_dir(), progress=False)
+    params = load_params(path)
+    summary = train(params, params.run_dir(), progress=False)
     assert summary["stopped_by"] == "time_budget" and summary["steps"] == 1
     final = Path(summary["final_dir"])
     cfg = json.loads((final / "config.json").read_text())
     assert (cfg["norm_before_residual"], cfg["norm_before_fc"], cfg["next_step_hidden"]) == (False, True, "post_norm")
     weights = load_file(str(final / "model.safetensors"))
     assert "input_norm.weight" in weights                                     # norm_before_fc
-    d2t, _ = load_vocab(P.run_dir() / "data" / "vocab.safetensors")
+    d2t, _ = load_vocab(params.run_dir() / "data" / "vocab.safetensors")
     head = load_target_tensors(sharp_target_dir, ("lm_head",))["lm_head"]
     ids = torch.arange(len(d2t)) + d2t
     assert torch.equal(weights["lm_head.weight"], head[ids].float())          # initialised and frozen
-    assert (P.run_dir() / "train" / "checkpoints" / "step-000001").is_dir()  # saved on the way out
+    assert (params.run_dir() / "train" / "checkpoints" / "step-000001").is_dir()  # saved on the way out
 
 
 # ---- reliability: divergence guard, cache fingerprint -------------------------------------------
@@ -547,26 +547,26 @@ def test_divergence_guard_criteria_need_consecutive_steps():
 
     from eagle3lib.params import TrainParams
     from eagle3lib.train import DivergenceGuard
-    t = TrainParams(diverge_steps=3)
+    train_params = TrainParams(diverge_steps=3)
     uniform = math.log(128)
     # a learning run that passes the uniform level on single steps (the tiny test run's curve)
-    guard = DivergenceGuard(t, 128)
+    guard = DivergenceGuard(train_params, 128)
     curve = [(18.6, [7.6, 7.6, 7.6]), (13.2, [5.38, 5.40, 5.47]), (11.9, [4.87, 4.83, 4.98]),
              (11.7, [4.75, 4.84, 4.85]), (12.3, [4.94, 5.07, 5.14]), (11.7, [4.78, 4.80, 4.79])]
     assert all(guard.check(_record(i + 1, l, sl, 5.0)) is None for i, (l, sl) in enumerate(curve))
     # stuck at uniform: trips on the 3rd consecutive step, naming the first bad one
-    guard = DivergenceGuard(t, 128)
+    guard = DivergenceGuard(train_params, 128)
     assert guard.check(_record(1, 18.0, [7.0, 7.0, 7.0], 5.0)) is None
     results = [guard.check(_record(s, 11.8, [uniform] * 3, 1.0)) for s in (2, 3, 4)]
     assert results[:2] == [None, None] and "uniform" in results[2][0] and results[2][1] == 2
     # a streak broken by one good step starts over
-    guard = DivergenceGuard(t, 128)
+    guard = DivergenceGuard(train_params, 128)
     for s, g in ((1, 0.0), (2, 0.0), (3, 1.0), (4, 0.0), (5, 0.0)):
         assert guard.check(_record(s, 5.0, [1.0], g)) is None
     found = guard.check(_record(6, 5.0, [1.0], 0.0))
     assert "gradient norm" in found[0] and found[1] == 4
     # far above the running minimum
-    guard = DivergenceGuard(t, 128)
+    guard = DivergenceGuard(train_params, 128)
     losses = [4.0, 3.0, 2.0, 9.0, 9.5, 10.0]
     found = [guard.check(_record(s + 1, l, [1.0], 1.0)) for s, l in enumerate(losses)]
     assert found[:5] == [None] * 5 and "running minimum" in found[5][0] and found[5][1] == 4
@@ -592,23 +592,23 @@ def test_a_diverged_run_stops_with_the_step_lr_and_last_good_checkpoint(tmp_path
     to the end and reported success."""
     from eagle3lib.train import TrainingDiverged
     path = make_run(tmp_path, sharp_target_dir, {"max_steps": 20, "resume": False, "lr": 1e4})
-    P = load_params(path)
+    params = load_params(path)
     records = []
     with pytest.raises(TrainingDiverged, match=r"train step 6 \(lr [0-9.e+]+\): the run diverged: the loss stays "
                                                r"at the uniform level .* since step 2 .*Last good checkpoint: none"):
-        train(P, P.run_dir(), progress=False, callback=records.append)
+        train(params, params.run_dir(), progress=False, callback=records.append)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]                 # stopped at step 6
-    assert not (P.run_dir() / "train" / "final").exists()
+    assert not (params.run_dir() / "train" / "final").exists()
 
 
 def test_resume_is_refused_on_another_hidden_state_cache(tmp_path, sharp_target_dir):
     overrides = {"max_steps": 4, "resume": True}
     path = make_run(tmp_path, sharp_target_dir, overrides)
-    P = load_params(path)
-    train(P, P.run_dir(), progress=False)
-    again = train(P, P.run_dir(), progress=False)              # unchanged cache: resumed at step 4
+    params = load_params(path)
+    train(params, params.run_dir(), progress=False)
+    again = train(params, params.run_dir(), progress=False)    # unchanged cache: resumed at step 4
     assert again["steps"] == 4 and again["tokens_per_s_this_run"] == 0
-    manifest = P.run_dir() / "hidden" / "eval" / "manifest.json"
+    manifest = params.run_dir() / "hidden" / "eval" / "manifest.json"
     shard = manifest.parent / "shard-00000.safetensors"
     original, original_shard = manifest.read_bytes(), shard.read_bytes()
     tensors = load_file(str(shard))
@@ -618,13 +618,13 @@ def test_resume_is_refused_on_another_hidden_state_cache(tmp_path, sharp_target_
     changed["shards"][0].update(bytes=shard.stat().st_size, sha256=file_sha256(shard))
     manifest.write_text(json.dumps(changed))
     with pytest.raises(RuntimeError, match="trained on another hidden-state cache"):
-        train(P, P.run_dir(), progress=False)
+        train(params, params.run_dir(), progress=False)
     manifest.write_bytes(original)
     shard.write_bytes(original_shard)
-    assert train(P, P.run_dir(), progress=False)["tokens_per_s_this_run"] == 0
+    assert train(params, params.run_dir(), progress=False)["tokens_per_s_this_run"] == 0
     make_run(tmp_path, sharp_target_dir, overrides, n_train=20)  # re-extracted from other data, same params
     with pytest.raises(RuntimeError, match="trained on another hidden-state cache"):
-        train(P, P.run_dir(), progress=False)
+        train(params, params.run_dir(), progress=False)
 
 
 def test_the_trainer_refuses_a_corrupt_or_stale_cache(tmp_path, sharp_target_dir):
@@ -632,16 +632,16 @@ def test_the_trainer_refuses_a_corrupt_or_stale_cache(tmp_path, sharp_target_dir
     (num_train changed, resume off), both trained on silently before (planted fault: train.setup
     opening HiddenCache instead of check_cache makes both cases train and return)."""
     path = make_run(tmp_path, sharp_target_dir, {"max_steps": 2, "resume": False})
-    P = load_params(path)
-    shard = P.run_dir() / "hidden" / "train" / "shard-00000.safetensors"
+    params = load_params(path)
+    shard = params.run_dir() / "hidden" / "train" / "shard-00000.safetensors"
     original = shard.read_bytes()
     flipped = bytearray(original)
     flipped[-100] ^= 0xFF                                      # inside the tensor data
     shard.write_bytes(bytes(flipped))
     with pytest.raises(CacheError, match="shard-00000.safetensors.*sha256|sha256.*shard-00000"):
-        train(P, P.run_dir(), progress=False)
+        train(params, params.run_dir(), progress=False)
     shard.write_bytes(original)
-    assert train(P, P.run_dir(), progress=False)["steps"] == 2
+    assert train(params, params.run_dir(), progress=False)["steps"] == 2
     stale = load_params(path, overrides={"data": {"num_train": 7}})
     with pytest.raises(CacheError, match="extracted with other params"):
         train(stale, stale.run_dir(), progress=False)
@@ -716,10 +716,10 @@ def test_max_sequences_takes_nested_seeded_subsets_and_refuses_more_than_the_cac
 
 def test_a_run_with_max_sequences_trains_on_that_many_chats(tmp_path, sharp_target_dir):
     path = make_run(tmp_path, sharp_target_dir, {"max_sequences": 8, "epochs": 1, "max_steps": None, "resume": False})
-    P = load_params(path)
-    summary = train(P, P.run_dir(), progress=False)
+    params = load_params(path)
+    summary = train(params, params.run_dir(), progress=False)
     full = make_run(tmp_path / "full", sharp_target_dir, {"epochs": 1, "max_steps": None, "resume": False})
-    P_full = load_params(full)
-    summary_full = train(P_full, P_full.run_dir(), progress=False)
+    params_full = load_params(full)
+    summary_full = train(params_full, params_full.run_dir(), progress=False)
     assert summary["train_sequences"] == 8 and summary_full["train_sequences"] == 24
     assert summary["steps"] < summary_full["steps"] and summary["epochs_done"] == pytest.approx(1.0)

@@ -27,17 +27,17 @@ def make_params(out_dir: Path, **train):
     return load_params("params/ci.yaml", overrides={"output_dir": str(out_dir), "train": train})
 
 
-def write_cache(P, split: str = "train", num_shards: int = NUM_SHARDS) -> Path:
+def write_cache(params, split: str = "train", num_shards: int = NUM_SHARDS) -> Path:
     """`num_shards` shards of 3 sequences of 4 tokens of random bf16 states, in the cache format, with
-    the identity check_cache expects of P."""
-    folder = P.layout().hidden(split)
+    the identity check_cache expects of `params`."""
+    folder = params.layout().hidden(split)
     folder.mkdir(parents=True, exist_ok=True)
     lengths = [4] * (3 * num_shards)
     plans = hc.plan_shards(lengths, shard_tokens=12, batch_tokens=64)
     assert len(plans) == num_shards
     header = hc.CacheHeader(format=hc.FORMAT, format_version=hc.FORMAT_VERSION, dtype="bfloat16",
                             aux_layers=[1, 2, 3], hidden_size=HIDDEN, split=split,
-                            params_hash=hc.cache_params_hash(P))
+                            params_hash=hc.cache_params_hash(params))
     g = torch.Generator().manual_seed(0)
     with hc.CacheWriter(folder, header, {}, len(plans), folder / hc.MANIFEST) as w:
         for plan in plans:
@@ -71,44 +71,44 @@ def shard(folder: Path, i: int) -> Path:
 
 
 def test_the_cache_is_hashed_once_until_a_shard_changes(tmp_path, counted_sha):
-    P = make_params(tmp_path)
-    folder = write_cache(P)
+    params = make_params(tmp_path)
+    folder = write_cache(params)
     counted_sha.clear()
-    check_cache(P, P.layout(), "train")
+    check_cache(params, params.layout(), "train")
     assert sorted(counted_sha) == [shard(folder, i).name for i in range(NUM_SHARDS)]
     record = read_verified(folder)
     assert record["fingerprint"] == hc.HiddenCache(folder).fingerprint and record["bad"] == {}
     assert record["last"]["shards_hashed"] == NUM_SHARDS and record["last"]["bytes_hashed"] > 0
     counted_sha.clear()
-    check_cache(P, P.layout(), "train")                         # verified already: nothing is read again
-    check_cache(P, P.layout(), "train", mode="sampled")
+    check_cache(params, params.layout(), "train")               # verified already: nothing is read again
+    check_cache(params, params.layout(), "train", mode="sampled")
     assert counted_sha == []
-    assert read_verified(folder)["last"]["shards_already_verified"] == len(sample_shards(NUM_SHARDS, 0.05, P.seed))
+    assert read_verified(folder)["last"]["shards_already_verified"] == len(sample_shards(NUM_SHARDS, 0.05, params.seed))
     victim = shard(folder, 3)
     victim.write_bytes(victim.read_bytes())                     # rewritten (same bytes): hashed again, alone
-    check_cache(P, P.layout(), "train")
+    check_cache(params, params.layout(), "train")
     assert counted_sha == [victim.name]
     (folder / hc.VERIFIED).write_text("{not json")              # an unreadable record: everything again
     counted_sha.clear()
-    check_cache(P, P.layout(), "train")
+    check_cache(params, params.layout(), "train")
     assert len(counted_sha) == NUM_SHARDS
 
 
 def test_full_mode_catches_a_corrupt_shard_and_keeps_refusing_it(tmp_path, counted_sha):
-    P = make_params(tmp_path)
-    folder = write_cache(P)
-    check_cache(P, P.layout(), "train")                         # verified intact
+    params = make_params(tmp_path)
+    folder = write_cache(params)
+    check_cache(params, params.layout(), "train")               # verified intact
     corrupt(shard(folder, 5))                                   # then changed: its stat changed too
     counted_sha.clear()
     with pytest.raises(CacheError, match=r"1 bad shard\(s\): shard-00005\.safetensors: sha256 differs.*"
                                          r"--only extract"):
-        check_cache(P, P.layout(), "train")
+        check_cache(params, params.layout(), "train")
     assert counted_sha == [shard(folder, 5).name]
     assert list(read_verified(folder)["bad"]) == [shard(folder, 5).name]
     assert hc.found_bad(folder) == {shard(folder, 5).name}      # what the extract stage redoes
     # a later check, even one that hashes nothing, still refuses the shard found bad
     with pytest.raises(CacheError, match=r"shard-00005\.safetensors: sha256 differs.*earlier verification"):
-        check_cache(P, P.layout(), "train", mode="sizes")
+        check_cache(params, params.layout(), "train", mode="sizes")
     # sizes mode alone never reads a shard's bytes, but checks sizes and shapes
     clean = make_params(tmp_path / "b")
     folder_b = write_cache(clean)
@@ -126,25 +126,25 @@ def test_full_mode_catches_a_corrupt_shard_and_keeps_refusing_it(tmp_path, count
 
 
 def test_sampled_mode_hashes_a_seeded_share_and_catches_a_corrupt_shard_in_it(tmp_path, counted_sha):
-    P = make_params(tmp_path, verify_cache="sampled", verify_sample=0.25)
-    sample = sample_shards(NUM_SHARDS, 0.25, P.seed)
-    assert len(sample) == 2 and sample == sample_shards(NUM_SHARDS, 0.25, P.seed)
-    assert sample_shards(NUM_SHARDS, 1.0, P.seed) == list(range(NUM_SHARDS))
+    params = make_params(tmp_path, verify_cache="sampled", verify_sample=0.25)
+    sample = sample_shards(NUM_SHARDS, 0.25, params.seed)
+    assert len(sample) == 2 and sample == sample_shards(NUM_SHARDS, 0.25, params.seed)
+    assert sample_shards(NUM_SHARDS, 1.0, params.seed) == list(range(NUM_SHARDS))
     outside = next(i for i in range(NUM_SHARDS) if i not in sample)
 
-    folder = write_cache(P)
+    folder = write_cache(params)
     corrupt(shard(folder, outside))                             # not in the sample: not seen
     counted_sha.clear()
-    check_cache(P, P.layout(), "train")
+    check_cache(params, params.layout(), "train")
     assert sorted(counted_sha) == [shard(folder, i).name for i in sample]
     with pytest.raises(CacheError, match=rf"shard-{outside:05d}\.safetensors: sha256 differs"):
-        check_cache(P, P.layout(), "train", mode="full")        # the full check, asked for, sees it
+        check_cache(params, params.layout(), "train", mode="full")  # the full check, asked for, sees it
 
-    P2 = make_params(tmp_path / "b", verify_cache="sampled", verify_sample=0.25)
-    folder = write_cache(P2)
+    params2 = make_params(tmp_path / "b", verify_cache="sampled", verify_sample=0.25)
+    folder = write_cache(params2)
     corrupt(shard(folder, sample[1]))                           # in the sample: caught
     with pytest.raises(CacheError, match=rf"1 bad shard\(s\): shard-{sample[1]:05d}\.safetensors: sha256"):
-        check_cache(P2, P2.layout(), "train")
+        check_cache(params2, params2.layout(), "train")
 
 
 WORKER = """
@@ -153,13 +153,13 @@ from pathlib import Path
 from eagle3lib import cache as hc
 from eagle3lib.dist import Dist
 from eagle3lib.params import load_params
-P = load_params(sys.argv[1])
+params = load_params(sys.argv[1])
 hashed = []
 real = hc.file_sha256
 hc.file_sha256 = lambda path: hashed.append(Path(path).name) or real(path)
-dist = Dist(timeout_minutes=P.train.pg_timeout_minutes)
+dist = Dist(timeout_minutes=params.train.pg_timeout_minutes)
 try:
-    hc.check_cache(P, P.layout(), "train", dist)
+    hc.check_cache(params, params.layout(), "train", dist)
     error = None
 except hc.CacheError as e:
     error = str(e)
@@ -169,13 +169,13 @@ dist.close()
 """
 
 
-def verify_in_processes(tmp_path: Path, P_path: Path, nproc: int) -> list:
+def verify_in_processes(tmp_path: Path, params_path: Path, nproc: int) -> list:
     """Run check_cache under torchrun with nproc gloo processes (nproc 1: a plain process); every
     rank's {rank, world, hashed files, error}."""
     script = tmp_path / "verify_worker.py"
     script.write_text(WORKER)
     out = tmp_path / f"result-{nproc}"
-    cmd = [sys.executable, str(script), str(P_path), str(out)]
+    cmd = [sys.executable, str(script), str(params_path), str(out)]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] + cmd[1:]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -188,12 +188,12 @@ def test_two_ranks_split_the_hashing_and_agree_with_one_process(tmp_path):
     for nproc in (1, 2):
         root = tmp_path / f"n{nproc}"
         root.mkdir()
-        P_path = root / "params.yaml"
-        P_path.write_text(f"inherit: {Path('params/ci.yaml').resolve()}\noutput_dir: {root}\n")
-        P = load_params(P_path)
-        folder = write_cache(P)
+        params_path = root / "params.yaml"
+        params_path.write_text(f"inherit: {Path('params/ci.yaml').resolve()}\noutput_dir: {root}\n")
+        params = load_params(params_path)
+        folder = write_cache(params)
         corrupt(shard(folder, 4))
-        results[nproc] = (verify_in_processes(root, P_path, nproc), read_verified(folder))
+        results[nproc] = (verify_in_processes(root, params_path, nproc), read_verified(folder))
     (one,), one_record = results[1]
     two, two_record = results[2]
     names = [f"shard-{i:05d}.safetensors" for i in range(NUM_SHARDS)]
@@ -229,12 +229,12 @@ def test_the_process_group_timeout_reaches_init_process_group(tmp_path, monkeypa
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setattr(td, "is_initialized", lambda: False)
     monkeypatch.setattr(td, "init_process_group", fake_init)
-    P = make_params(tmp_path, pg_timeout_minutes=95)
+    params = make_params(tmp_path, pg_timeout_minutes=95)
     with pytest.raises(Created):
-        train(P, P.run_dir(), progress=False)
+        train(params, params.run_dir(), progress=False)
     data = Dataset.from_dict({"conv_id": ["a"], "input_ids": [[1, 2, 3, 4]], "loss_mask": [[0, 1, 1, 1]]})
     with pytest.raises(Created):
-        extract_hidden_states(P, P.layout(), "train", dataset=data, progress=False)
+        extract_hidden_states(params, params.layout(), "train", dataset=data, progress=False)
     assert [c["timeout"] for c in calls] == [timedelta(minutes=95)] * 2
     assert calls[1]["backend"] == "gloo"
 

@@ -18,7 +18,7 @@ from drafter_fit import fit_drafter, greedy_sequences
 from eagle3lib.decode import Eagle3Proposer, merge_stats, speculative_generate
 from eagle3lib.export import LAYOUTS, export_layout, export_vllm, load_export
 from eagle3lib.target import load_target, load_target_tensors, load_tokenizer
-from eagle3lib.vllm_bench import mode, run_vllm
+from eagle3lib.vllm_bench import BenchSpec, mode, run_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -81,11 +81,11 @@ def setup(smollm2_dir, tmp_path_factory):
     finally:
         torch.set_num_threads(threads)
     t1 = time.perf_counter()
-    spec = {"target": str(smollm2_dir), "dtype": "float32", "prompts": prompts, "max_new_tokens": MAX_NEW,
-            "modes": [mode("plain")] + [mode("eagle3", K, name=n, model=str(e)) for n, e in exports.items()]}
+    spec = BenchSpec(target=str(smollm2_dir), dtype="float32", prompts=prompts, max_new_tokens=MAX_NEW,
+                     modes=[mode("plain")] + [mode("eagle3", K, name=n, model=str(e)) for n, e in exports.items()])
     result = run_vllm(spec, workdir=tmp_path_factory.mktemp("vllm"), timeout=1500)
     print(f"vLLM anchor: fits + reference decoding {t1 - t0:.0f} s, vLLM {time.perf_counter() - t1:.0f} s "
-          f"({len(spec['modes'])} engines)")
+          f"({len(spec.modes)} engines)")
     modes = {m["name"]: m for m in result["modes"]}
     return dict(prompts=prompts, seqs=seqs, ref_out=ref_out, ref=ref, vllm=modes, exports=exports,
                 result=result)

