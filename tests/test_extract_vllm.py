@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from test_extract import make_dataset
 
 from eagle3lib.cache import CacheError, HiddenCache
@@ -122,7 +123,32 @@ def test_sigkill_then_rerun_gives_identical_bytes(runs, smollm2_dir, tmp_path, d
     assert len(done) < runs["vllm"][1]["num_shards"]                  # killed mid-run
     resumed = extract_hidden_states(params, params.run_dir(), "train", dataset=dataset, progress=False)
     assert resumed["complete"] and resumed["shards_skipped"] == len(done)
-    assert shard_bytes(out) == shard_bytes(Path(runs["vllm"][1]["path"]))
+    assert_same_shards(out, Path(runs["vllm"][1]["path"]))
+
+
+def assert_same_shards(resumed: Path, clean: Path) -> None:
+    """The resumed cache equals the clean run's byte for byte, except the states of one-token rows:
+    vLLM CPU gives a one-token prompt float-level different states from one engine start to the next
+    (seen twice in CI, ~1e-6 relative, always that row; NOTES.md, Decisions: Extraction), so those
+    tokens are compared within the backends' tolerance and everything else exactly."""
+    a, b = shard_bytes(resumed), shard_bytes(clean)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        if a[name] == b[name]:
+            continue
+        x, y = load_file(str(resumed / name)), load_file(str(clean / name))
+        lengths = (y["offsets"][1:] - y["offsets"][:-1]).tolist()
+        one_token = [int(y["offsets"][i]) for i, n in enumerate(lengths) if n == 1]
+        assert one_token, f"{name} differs and holds no one-token row"
+        for key in y:
+            if key in ("aux", "final"):
+                keep = torch.ones(len(y[key]), dtype=torch.bool)
+                keep[one_token] = False
+                assert torch.equal(x[key][keep], y[key][keep]), (name, key)
+                for t in one_token:
+                    assert float((x[key][t] - y[key][t]).norm() / y[key][t].norm()) < 1e-5, (name, key, t)
+            else:
+                assert torch.equal(x[key], y[key]), (name, key)
 
 
 # ---- bad input -------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ def dataset():
 
 @pytest.fixture(scope="module")
 def offline(smollm2_dir, tmp_path_factory, dataset):
-    params = make_params(smollm2_dir, tmp_path_factory.mktemp("offline"), "vllm")
+    params = make_params(smollm2_dir, tmp_path_factory.mktemp("offline"), "hf")       # the reference backend
     extract_hidden_states(params, params.run_dir(), "train", dataset=dataset, progress=False)
     return HiddenCache(params.layout().hidden("train"))
 
@@ -79,7 +79,7 @@ def test_online_states_equal_the_offline_cache_and_ctrl_c_leaves_no_server(offli
                 assert on["aux"].dtype == off["aux"].dtype and on["aux"].shape == off["aux"].shape
                 for name in worst:
                     worst[name] = max(worst[name], float((on[name] - off[name]).norm() / off[name].norm()))
-            assert worst["aux"] < 1e-5 and worst["final"] < 1e-5, worst      # the backends' tolerance
+            assert worst["aux"] < 1e-5 and worst["final"] < 1e-5, worst      # the backends' tolerance (fp32)
             batch = server.client().states(rows)                              # requests sent together
             assert all(torch.equal(a, online.get(i)["aux"]) for i, (a, _) in enumerate(batch))
             assert list((layout.online / "states").glob("*.safetensors")) == []    # consumed: deleted
@@ -144,44 +144,6 @@ def test_a_connector_file_of_the_wrong_shape_is_refused_and_deleted(smollm2_dir,
     assert not bad.exists()
 
 
-def test_online_training_trains_the_same_drafter_as_the_offline_cache(smollm2_dir, tmp_path):
-    """Same chats, same data order: training on the server's states gives the offline run's losses,
-    accuracies and weights (fp32 on both sides; the offline cache made by the HF backend)."""
-    chats = [openai(("user", f"Name fact {i} about the sea."), ("assistant", f"Fact {i}: the sea is salty "
-                    f"and {i} waves are tall.")) for i in range(10)]
-    source = write_jsonl(tmp_path / "chats.jsonl", chats)
-
-    def profile(name, mode):
-        return load_params("params/ci.yaml", {
-            "run_name": name, "output_dir": str(tmp_path / "outputs"),
-            "target": {"path": str(smollm2_dir), "dtype": "float32"},
-            "data": {"source": str(source), "max_records": None, "num_train": 8, "num_eval": 2, "regenerate": False,
-                     "max_length": 64, "draft_vocab_size": 256},
-            "extract": {"mode": mode, "dtype": "float32", "backend": "hf"},
-            "train": {"max_steps": 4, "warmup_steps": 1, "checkpoint_every": 2, "resume": False, "tracking": "none",
-                      "batch_tokens": 128, "dtype": "float32"}})
-
-    runs = {}
-    for mode in ("offline", "online"):
-        params = profile(mode, mode)
-        prepare_data(params, params.run_dir(), progress=False)
-        for split in cached_splits(params):
-            extract_hidden_states(params, params.layout(), split, progress=False)
-        records = []
-        summary = train(params, params.run_dir(), progress=False, callback=records.append)
-        runs[mode] = (params, summary, records)
-    (_, off, off_records), (on_params, on, on_records) = runs["offline"], runs["online"]
-    assert not on_params.layout().hidden("train").exists()                  # no train cache was written
-    assert off["steps"] == on["steps"] == 4
-    for a, b in zip(off_records, on_records):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
-        assert b["step_acc"] == pytest.approx(a["step_acc"], abs=1e-6)
-    weights = [load_file(str(Path(s["final_dir"]) / "model.safetensors")) for s in (off, on)]
-    for name, w in weights[0].items():                                      # fp32 noise of the two engines
-        assert float((weights[1][name].float() - w.float()).norm() / w.float().norm().clamp(min=1e-12)) < 1e-4, name
-    assert list(on_params.layout().online.glob("states/*")) == []           # every served file consumed
-
-
 def server_pids(staging) -> list:
     """Processes whose command line names this server's staging folder (the api_server's)."""
     pids = []
@@ -194,32 +156,57 @@ def server_pids(staging) -> list:
     return pids
 
 
-def test_a_server_that_dies_mid_run_stops_training_with_its_log_named(smollm2_dir, tmp_path):
-    """The run stops at the first request after the death, naming the server log; the checkpoint
-    before it stands, so a rerun resumes without training a batch twice or skipping one."""
-    chats = [openai(("user", f"Question {i}?"), ("assistant", f"Answer {i}, and more words.")) for i in range(8)]
-    params = load_params("params/ci.yaml", {
-        "output_dir": str(tmp_path / "outputs"), "target": {"path": str(smollm2_dir), "dtype": "float32"},
-        "data": {"source": str(write_jsonl(tmp_path / "c.jsonl", chats)), "max_records": None, "num_train": 6,
-                 "num_eval": 2, "regenerate": False, "max_length": 64, "draft_vocab_size": 256},
-        "extract": {"mode": "online", "dtype": "float32"},
-        "train": {"max_steps": 8, "warmup_steps": 1, "checkpoint_every": 2, "tracking": "none", "batch_tokens": 64,
-                  "dtype": "float32"}})
-    prepare_data(params, params.run_dir(), progress=False)
-    extract_hidden_states(params, params.layout(), "eval", progress=False)
-    staging = params.layout().online / "states"
+def test_online_training_survives_a_server_death_and_trains_the_offline_drafter(smollm2_dir, tmp_path):
+    """Same chats, same data order: the online run, whose server is killed after step 2 (the run
+    stops naming the server log, the step-2 checkpoint stands, the rerun resumes with a fresh
+    server), gives the offline run's losses, accuracies and weights (fp32; HF-made cache)."""
+    chats = [openai(("user", f"Name fact {i} about the sea."), ("assistant", f"Fact {i}: the sea is salty "
+                    f"and {i} waves are tall.")) for i in range(10)]
+    source = write_jsonl(tmp_path / "chats.jsonl", chats)
 
-    def kill_server(record):
+    def profile(mode):
+        return load_params("params/ci.yaml", {
+            "run_name": mode, "output_dir": str(tmp_path / "outputs"),
+            "target": {"path": str(smollm2_dir), "dtype": "float32"},
+            "data": {"source": str(source), "max_records": None, "num_train": 8, "num_eval": 2, "regenerate": False,
+                     "max_length": 64, "draft_vocab_size": 256},
+            "extract": {"mode": mode, "dtype": "float32", "backend": "hf"},
+            "train": {"max_steps": 4, "warmup_steps": 1, "checkpoint_every": 2, "tracking": "none",
+                      "batch_tokens": 128, "dtype": "float32"}})
+
+    def prepare(params):
+        prepare_data(params, params.run_dir(), progress=False)
+        for split in cached_splits(params):
+            extract_hidden_states(params, params.layout(), split, progress=False)
+
+    offline, online = profile("offline"), profile("online")
+    for params in (offline, online):
+        prepare(params)
+    off_records = []
+    off = train(offline, offline.run_dir(), progress=False, callback=off_records.append)
+    staging = online.layout().online / "states"
+
+    def kill_server_after_step_2(record):
+        on_records.append(record)
         if record["step"] == 2:
             for pid in server_pids(staging):
                 os.kill(pid, signal.SIGKILL)
+    on_records = []
     with pytest.raises(ServerError, match=r"did not answer(.|\n)*server\.log"):
-        train(params, params.run_dir(), progress=False, callback=kill_server)
-    assert [c.name for c in params.layout().checkpoints.glob("step-*")] == ["step-000002"]
-    assert server_pids(staging) == []
-    records = []                                                            # the rerun: a fresh server
-    assert train(params, params.run_dir(), progress=False, callback=records.append)["steps"] == 8
-    assert [r["step"] for r in records] == list(range(3, 9))               # resumed after step 2
+        train(online, online.run_dir(), progress=False, callback=kill_server_after_step_2)
+    assert [c.name for c in online.layout().checkpoints.glob("step-*")] == ["step-000002"]
+    assert server_pids(staging) == []                                       # stopped with the run
+    on_records = on_records[:2]
+    on = train(online, online.run_dir(), progress=False, callback=on_records.append)   # resumes, fresh server
+    assert [r["step"] for r in on_records] == [1, 2, 3, 4] and off["steps"] == on["steps"] == 4
+    assert not online.layout().hidden("train").exists()                     # no train cache was written
+    for a, b in zip(off_records, on_records):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        assert b["step_acc"] == pytest.approx(a["step_acc"], abs=1e-6)
+    weights = [load_file(str(Path(s["final_dir"]) / "model.safetensors")) for s in (off, on)]
+    for name, w in weights[0].items():                                      # fp32 noise of the two engines
+        assert float((weights[1][name].float() - w.float()).norm() / w.float().norm().clamp(min=1e-12)) < 1e-4, name
+    assert list(staging.glob("*")) == []                                    # every served file consumed
 
 
 def test_profiles_refuse_online_mode_where_it_cannot_run(tmp_path):
