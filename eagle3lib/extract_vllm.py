@@ -42,15 +42,7 @@ from .cache import CacheError
 from .engine import engine_env, engine_kwargs
 from .params import Params, ParamsError
 from .vllm_bench import subprocess_env
-from .vllm_states import (
-    CONNECTOR_MODULE,
-    STAGE,
-    FinalNorm,
-    check_states,
-    find_final_norm,
-    read_text_config,
-    wait_for_file,
-)
+from .vllm_states import CONNECTOR_MODULE, STAGE, TargetStates, check_states, log_tail, wait_for_file
 
 MIN_VLLM = (0, 17)                           # first release with extract_hidden_states (docs)
 READY_TIMEOUT_S = 1800                       # engine start (a 0.6 TB checkpoint loads for minutes)
@@ -61,21 +53,9 @@ class VLLMBackend:
     """The Backend of a vLLM engine in a child process (see the module docstring)."""
 
     def __init__(self, params: Params, path: Path, staging: Path, log_path: Path):
-        cfg = read_text_config(path)
-        self.num_layers, self.hidden_size = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
-        self.vocab_size = int(cfg["vocab_size"])
-        self.aux_layers = params.aux_layer_ids()
-        if len(self.aux_layers) != 3 or not all(0 <= k < self.num_layers for k in self.aux_layers):
-            raise ParamsError(f"extract.aux_layers: {self.aux_layers} out of range for {path}: it has "
-                              f"{self.num_layers} decoder layers (valid ids 0..{self.num_layers - 1})")
-        if "rms_norm_eps" not in cfg:
-            raise CacheError(f"{STAGE}: {path}/config.json has no rms_norm_eps: the final norm vLLM leaves "
-                             "out cannot be applied. Use extract.backend: hf for this checkpoint.")
-        _, weight = find_final_norm(path)
-        if tuple(weight.shape) != (self.hidden_size,):
-            raise CacheError(f"{STAGE}: final norm of {path} has shape {list(weight.shape)}, expected "
-                             f"[{self.hidden_size}]; use extract.backend: hf")
-        self.norm = FinalNorm(weight, cfg["rms_norm_eps"])
+        target = TargetStates(path, params.aux_layer_ids())
+        self.num_layers, self.hidden_size, self.vocab_size = target.num_layers, target.hidden_size, target.vocab_size
+        self.aux_layers, self.norm = target.aux_layers, target.norm
         self.path, self.staging, self.log_path = Path(path), Path(staging), Path(log_path)
         engine = engine_kwargs(params, "extract", path, max_model_len=params.data.max_length + 1)
         self.env = engine_env(params, "extract")            # model runner choice (extract.model_runner)
@@ -107,18 +87,12 @@ class VLLMBackend:
             rc = self.proc.wait()
             raise CacheError(f"{STAGE}: the vLLM subprocess died while {doing} (exit {rc}) for target "
                              f"{self.path}; nothing was written for the current shard. Log {self.log_path}:\n"
-                             + self._log_tail())
+                             + log_tail(self.log_path))
         msg = json.loads(line)
         if "error" in msg:
             self.close()
             raise CacheError(f"{STAGE}: {msg['error']}")
         return msg
-
-    def _log_tail(self, lines: int = 25) -> str:
-        try:
-            return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-lines:])
-        except OSError:
-            return "(no log)"
 
     def states(self, rows: list, dtype: torch.dtype) -> tuple:
         self.proc.stdin.write((json.dumps({"rows": rows}) + "\n").encode())

@@ -40,7 +40,7 @@ from .layout import RunLayout
 from .params import Params, ParamsError
 from .stats import load_stats
 from .vllm_bench import subprocess_env
-from .vllm_states import CONNECTOR_MODULE, FinalNorm, check_states, find_final_norm, read_text_config, wait_for_file
+from .vllm_states import CONNECTOR_MODULE, FinalNorm, TargetStates, check_states, log_tail, wait_for_file
 
 STAGE = "online hidden states"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"     # `vllm serve`'s documented Python entrypoint
@@ -114,13 +114,9 @@ class HiddenStateServer:
         from .target import target_path  # the embedded target is materialised on first use
         self.params, self.ready_timeout = params, ready_timeout
         self.model = str(target_path(params))
-        cfg = read_text_config(Path(self.model))
-        self.num_layers, self.hidden_size = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
-        self.aux_layers = params.aux_layer_ids()
-        if "rms_norm_eps" not in cfg:
-            raise ServerError(f"{STAGE}: {self.model}/config.json has no rms_norm_eps: the final norm vLLM "
-                              "leaves out cannot be applied; train from an offline cache made with extract.backend: hf")
-        self.norm = FinalNorm(find_final_norm(Path(self.model))[1], cfg["rms_norm_eps"])
+        target = TargetStates(Path(self.model), params.aux_layer_ids())
+        self.num_layers, self.hidden_size = target.num_layers, target.hidden_size
+        self.aux_layers, self.norm = target.aux_layers, target.norm
         self.folder = layout.online
         self.staging, self.log_path = self.folder / "states", self.folder / "server.log"
         self.port = port or free_port()
@@ -212,10 +208,7 @@ class HiddenStateServer:
         return f"http://127.0.0.1:{self.port}{path}"
 
     def log_tail(self, lines: int = 25) -> str:
-        try:
-            return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-lines:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, lines)
 
     def client(self, dtype: Optional[torch.dtype] = None) -> HiddenStateClient:
         """A client of this server; dtype: default extract.dtype (the cache's)."""

@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from .cache import CacheError
+from .params import ParamsError
 from .target import _weight_map
 
 STAGE = "extract (backend vllm)"
@@ -124,3 +125,34 @@ def __getattr__(name: str):
     if name == "CPUHiddenStatesConnector":
         return _connector_class()
     raise AttributeError(name)
+
+
+class TargetStates:
+    """What reading vLLM's states of a target needs from its checkpoint, checked: decoder layers,
+    hidden size and vocabulary from config.json, the aux ids in range, and the final norm that vLLM's
+    last layer id leaves out (the offline backend and the online server both use it)."""
+
+    def __init__(self, path: Path, aux_layers: list):
+        cfg = read_text_config(path)
+        self.num_layers, self.hidden_size = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
+        self.vocab_size = int(cfg["vocab_size"])
+        self.aux_layers = list(aux_layers)
+        if len(self.aux_layers) != 3 or not all(0 <= k < self.num_layers for k in self.aux_layers):
+            raise ParamsError(f"extract.aux_layers: {self.aux_layers} out of range for {path}: it has "
+                              f"{self.num_layers} decoder layers (valid ids 0..{self.num_layers - 1})")
+        if "rms_norm_eps" not in cfg:
+            raise CacheError(f"{STAGE}: {path}/config.json has no rms_norm_eps: the final norm vLLM leaves "
+                             "out cannot be applied. Use extract.backend: hf for this checkpoint.")
+        _, weight = find_final_norm(path)
+        if tuple(weight.shape) != (self.hidden_size,):
+            raise CacheError(f"{STAGE}: final norm of {path} has shape {list(weight.shape)}, expected "
+                             f"[{self.hidden_size}]; use extract.backend: hf")
+        self.norm = FinalNorm(weight, cfg["rms_norm_eps"])
+
+
+def log_tail(path: Path, lines: int = 25) -> str:
+    """The last `lines` lines of a child process's log ("(no log)" when unreadable)."""
+    try:
+        return "".join(Path(path).read_text(errors="replace").splitlines(True)[-lines:])
+    except OSError:
+        return "(no log)"

@@ -22,9 +22,10 @@ from test_extract import make_dataset
 from eagle3lib.cache import CacheError, HiddenCache
 from eagle3lib.engine import build_kwargs, engine_kwargs
 from eagle3lib.extract import extract_hidden_states
-from eagle3lib.extract_vllm import FinalNorm, check_states, find_final_norm, vllm_support_error
+from eagle3lib.extract_vllm import vllm_support_error
 from eagle3lib.params import ParamsError, load_params
 from eagle3lib.target import load_target_tensors
+from eagle3lib.vllm_states import FinalNorm, check_states, find_final_norm
 
 pytestmark = pytest.mark.vllm
 
