@@ -418,8 +418,7 @@ def extract_hidden_states(params: Params, run, split: str = "train", model=None,
         dist.close()
     summary = _summary(split, out_dir, plans, mine, todo, scan, manifest, elapsed, dist)
     if dist.rank == 0:
-        record_extract_metrics(layout, summary)
-        update_metrics(layout.root, "extract", {"mode": params.extract.mode})
+        record_extract_metrics(layout, summary, params.extract.mode)
     return summary
 
 
@@ -429,13 +428,14 @@ def cached_splits(params: Params) -> tuple:
     return ("eval",) if params.extract.mode == "online" else ("train", "eval")
 
 
-def record_extract_metrics(layout: RunLayout, summary: dict) -> dict:
+def record_extract_metrics(layout: RunLayout, summary: dict, mode: str = "offline") -> dict:
     """metrics.json's "extract" section after one split: its sequences, tokens and bytes; for the
     train split also bytes per token against the states alone (dtype x 4H), the cache dtype and aux
-    layers and the extraction speed (when shards were computed); cache_bytes once both splits exist."""
+    layers and the extraction speed (when shards were computed); cache_bytes once both splits exist;
+    mode: extract.mode (online runs cache the eval split only)."""
     split = summary["split"]
     values = {f"{split}_sequences": summary["num_sequences"], f"{split}_tokens": summary["num_tokens"],
-              f"{split}_cache_bytes": summary["bytes_total"]}
+              f"{split}_cache_bytes": summary["bytes_total"], "mode": mode}
     if split == "train":
         values.update(bytes_per_token=round(summary["bytes_per_token"], 2),
                       state_bytes_per_token=ST_DTYPES[summary["dtype"]][1] * 4 * summary["hidden_size"],
