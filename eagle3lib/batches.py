@@ -18,6 +18,8 @@ from typing import Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from .mode_plan import PREFETCH_FACTOR
+
 
 def bucket_batches(lengths: list, batch_tokens: int, seed: int, epoch: int) -> list:
     """Length-bucketed micro-batches of sequence indices, each with B * max_len <= batch_tokens.
@@ -117,11 +119,12 @@ class StepSampler(Sampler):
 def micro_batch_loader(cache, usable: list, schedule: Schedule, rank: int, world: int, start: int,
                        workers: int = 0, pin_memory: bool = False) -> DataLoader:
     """A DataLoader of this rank's collated micro-batches (see collate) from step `start` on:
-    `workers` processes read the memory-mapped cache and pad ahead of the step (prefetch_factor 2
-    batches each); pin_memory (CUDA) lets the host-to-device copies run asynchronously."""
+    `workers` processes read the memory-mapped cache and pad ahead of the step (PREFETCH_FACTOR
+    batches each; online, mode_plan.staging_bound_bytes counts them); pin_memory (CUDA) lets the
+    host-to-device copies run asynchronously."""
     return DataLoader(CacheSequences(cache, usable), batch_sampler=StepSampler(schedule, rank, world, start),
                       collate_fn=partial(collate, max_len=schedule.batch_tokens), num_workers=workers,
-                      pin_memory=pin_memory, prefetch_factor=2 if workers > 0 else None,
+                      pin_memory=pin_memory, prefetch_factor=PREFETCH_FACTOR if workers > 0 else None,
                       persistent_workers=False)
 
 

@@ -74,9 +74,14 @@ class CacheError(RuntimeError):
     """The hidden-state cache cannot be written or read as asked; the message says what to do."""
 
 
+# extract fields that say how states reach the trainer, not which states: both modes read the same ones
+HOW_STATES_TRAVEL = ("extract.mode", "extract.online_restarts", "extract.online_gpus")
+
+
 def cache_params_hash(params: Params) -> str:
-    """The params a cache depends on: the data and extract sections, the seed and the target path."""
-    return params.section_hash("data", "extract", leave_out=("extract.mode",))
+    """The params a cache depends on: the data and extract sections (less HOW_STATES_TRAVEL), the seed
+    and the target path."""
+    return params.section_hash("data", "extract", leave_out=HOW_STATES_TRAVEL)
 
 
 # ---- the plan: which sequences go to which shard and which forward batch ------------------------

@@ -40,15 +40,21 @@ class Dist:
         self.world = td.get_world_size() if joined else 1
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
 
-    def device(self, want: str = "auto") -> torch.device:
+    def device(self, want: str = "auto", avoid: tuple = ()) -> torch.device:
         """auto: this rank's GPU when torch sees one, else the CPU. cuda: this rank's GPU (a clear
-        error when there is none). The chosen GPU becomes the current one."""
+        error when there is none). avoid: GPU indices left to another job (online hidden states'
+        server); the ranks take the others in order. The chosen GPU becomes the current one."""
         if want == "auto":
             want = "cuda" if torch.cuda.is_available() else "cpu"
         if want.startswith("cuda"):
             if not torch.cuda.is_available():
                 raise RuntimeError(f"device {want!r} requested but torch sees no GPU; use cpu or auto")
-            device = torch.device(f"cuda:{self.local_rank % torch.cuda.device_count()}")
+            mine = [i for i in range(torch.cuda.device_count()) if i not in set(avoid)]
+            if not mine or (avoid and self.local_rank >= len(mine)):
+                raise RuntimeError(f"rank {self.local_rank}: no GPU left for training ({torch.cuda.device_count()} "
+                                   f"visible, {sorted(avoid)} serve the target: extract.online_gpus); train with "
+                                   "fewer processes (train.nproc) or give the server fewer GPUs")
+            device = torch.device(f"cuda:{mine[self.local_rank % len(mine)]}")
             torch.cuda.set_device(device)
             return device
         return torch.device(want)

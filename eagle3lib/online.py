@@ -9,6 +9,12 @@ The server runs in its own process group and dies with the process that started 
 PR_SET_PDEATHSIG), so neither Ctrl-C nor a crash leaves it behind. Each request's states arrive as
 one safetensors file (`kv_transfer_params.hidden_states_path` in the response); the client checks
 the file against the request, applies the target's final norm and the cache dtype, and deletes it.
+
+Under torchrun, rank 0 starts the one server and the other ranks attach to it through
+`server.json` in the run folder (port, torchrun's run id, state, generation). A server that dies
+mid-run is restarted by its owner's watchdog (extract.online_restarts times); clients wait for the
+new generation and re-request the whole micro-batch, or stop naming the log once the restarts are
+spent.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -36,8 +43,9 @@ from safetensors.torch import load_file
 
 from .cache import CacheError, cache_params_hash
 from .engine import engine_env, engine_kwargs
+from .files import atomic_write_json
 from .layout import RunLayout
-from .params import Params, ParamsError
+from .params import Params
 from .stats import load_stats
 from .vllm_bench import subprocess_env
 from .vllm_states import CONNECTOR_MODULE, FinalNorm, TargetStates, check_states, log_tail, wait_for_file
@@ -47,6 +55,7 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"     # `vllm serve`'s docume
 READY_TIMEOUT_S = 1800                                   # a 0.6 TB checkpoint loads for minutes
 REQUEST_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 30
+WATCH_EVERY_S = 1.0                                      # the owner's liveness poll
 
 
 class ServerError(CacheError):
@@ -96,6 +105,27 @@ def support_error() -> Optional[str]:
     return None
 
 
+def torchrun_id() -> Optional[str]:
+    """torchrun's id of this launch (the same on every rank, new each launch; None outside torchrun)."""
+    return os.environ.get("TORCHELASTIC_RUN_ID")
+
+
+def read_status(path: Path) -> Optional[dict]:
+    """server.json as the owner last wrote it (None when missing or unreadable)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def _die_with_parent() -> None:
     """In the child before exec: a new process group, and SIGTERM when the parent dies (Linux)."""
     os.setsid()
@@ -107,20 +137,26 @@ def _die_with_parent() -> None:
 
 class HiddenStateServer:
     """vLLM's OpenAI server over the target with extract_hidden_states, started and stopped by the lab.
-    Use as a context manager; `client()` talks to it."""
+    Use as a context manager; `client()` talks to it. restarts: how often a server that dies is
+    started again by the watchdog (the clients wait for it); run_id: torchrun's launch id, written
+    to server.json so that the other ranks attach to this launch's server only."""
 
     def __init__(self, params: Params, layout: RunLayout, port: Optional[int] = None,
-                 ready_timeout: float = READY_TIMEOUT_S):
+                 ready_timeout: float = READY_TIMEOUT_S, restarts: int = 0, run_id: Optional[str] = None):
         from .target import target_path  # the embedded target is materialised on first use
-        self.params, self.ready_timeout = params, ready_timeout
+        self.params, self.ready_timeout, self.restarts, self.run_id = params, ready_timeout, restarts, run_id
         self.model = str(target_path(params))
         target = TargetStates(Path(self.model), params.aux_layer_ids())
         self.num_layers, self.hidden_size = target.num_layers, target.hidden_size
         self.aux_layers, self.norm = target.aux_layers, target.norm
         self.folder = layout.online
         self.staging, self.log_path = self.folder / "states", self.folder / "server.log"
+        self.status_path = self.folder / "server.json"
         self.port = port or free_port()
         self.proc: Optional[subprocess.Popen] = None
+        self.generation = 0                              # server starts so far (1 once up, +1 per restart)
+        self._stopping = threading.Event()
+        self._watchdog: Optional[threading.Thread] = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def command(self) -> list:
@@ -142,58 +178,109 @@ class HiddenStateServer:
         if port_in_use(self.port):
             raise ServerError(f"{STAGE}: port {self.port} on 127.0.0.1 is in use; free it or pass no port "
                               "(a free one is picked)")
+        self._stopping.clear()
         self.folder.mkdir(parents=True, exist_ok=True)
+        self.status_path.unlink(missing_ok=True)            # a killed run's: no rank may attach to it
         for stale in self.staging.glob("*") if self.staging.is_dir() else []:
             stale.unlink()                                  # files of a killed run
-        env = subprocess_env()
-        env.update(engine_env(self.params, "extract"))
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
         try:
-            self._wait_ready()
+            self._launch()
         except BaseException:
             self.stop()
             raise
+        self._watchdog = threading.Thread(target=self._watch, name="vllm-server-watchdog", daemon=True)
+        self._watchdog.start()
         return self
+
+    def _launch(self) -> None:
+        """Start the server process and wait until it is healthy; then server.json says so."""
+        env = subprocess_env()
+        env.update(engine_env(self.params, "extract"))
+        if self.params.extract.online_gpus:                 # the node split: the server's GPUs only
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.params.extract.online_gpus))
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+        self._wait_ready()
+        self.generation += 1
+        self._write_status("ready")
+
+    def _write_status(self, state: str) -> None:
+        atomic_write_json(self.status_path, {"state": state, "port": self.port, "run_id": self.run_id,
+                                             "generation": self.generation, "restarts_left": self.restarts,
+                                             "log": str(self.log_path)})
+
+    def _watch(self) -> None:
+        """The owner's watchdog: a server that died is started again while restarts are left (the
+        clients wait for the new generation); then server.json reads `failed`. A restarted server is
+        forked by this thread, and PR_SET_PDEATHSIG fires when the forking thread ends: this loop
+        lives as long as such a server does (it returns once stopping, or with no server left)."""
+        while not self._stopping.wait(WATCH_EVERY_S):
+            proc = self.proc
+            if proc is None or proc.poll() is None:
+                continue
+            self._kill_group(proc)                          # engine-core children of the dead server
+            if self.restarts <= 0:
+                self._write_status("failed")
+                return
+            self.restarts -= 1
+            self._write_status("restarting")
+            with open(self.log_path, "ab") as log:
+                log.write(f"\n=== eagle3lab: the server exited (code {proc.returncode}); restarting it "
+                          f"({self.restarts} restart(s) left) ===\n".encode())
+            try:
+                self._launch()
+            except ServerError:
+                self._kill_group(self.proc)
+                if not self._stopping.is_set():
+                    self._write_status("failed")
+                return
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self._stopping.is_set():
             if self.proc.poll() is not None:
                 raise ServerError(f"{STAGE}: the vLLM server exited (code {self.proc.returncode}) before it "
                                   f"became healthy. Its log, {self.log_path}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url("/health"), timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
+            if healthy(self.url("")):
+                return
             time.sleep(1.0)
         raise ServerError(f"{STAGE}: the vLLM server did not become healthy within {self.ready_timeout:.0f} s "
                           f"(wrong model path, out of memory, a slow disk?). Its log, {self.log_path}:\n"
                           + self.log_tail())
 
-    def stop(self) -> None:
-        """SIGTERM to the server's process group, SIGKILL after STOP_TIMEOUT_S; idempotent."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
+    @staticmethod
+    def _kill_group(proc: subprocess.Popen) -> None:
+        """SIGTERM to the server's process group, SIGKILL after STOP_TIMEOUT_S, then to any child left."""
+        if proc.poll() is None:
             for sig, wait in ((signal.SIGTERM, STOP_TIMEOUT_S), (signal.SIGKILL, 10)):
                 try:
-                    os.killpg(self.proc.pid, sig)
+                    os.killpg(proc.pid, sig)
                 except ProcessLookupError:
                     break
                 try:
-                    self.proc.wait(timeout=wait)
+                    proc.wait(timeout=wait)
                     break
                 except subprocess.TimeoutExpired:
                     continue
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)        # engine-core children left in the group
+            os.killpg(proc.pid, signal.SIGKILL)             # engine-core children left in the group
         except ProcessLookupError:
             pass
+
+    def stop(self) -> None:
+        """Stop the watchdog and the server; idempotent. Files no client will read are removed."""
+        self._stopping.set()
+        if self._watchdog is not None and self._watchdog is not threading.current_thread():
+            self._watchdog.join()
+            self._watchdog = None
+        if self.proc is None:
+            return
+        self._kill_group(self.proc)
         self.proc = None
+        self.status_path.unlink(missing_ok=True)
+        for left in self.staging.glob("*") if self.staging.is_dir() else []:
+            left.unlink(missing_ok=True)                    # answers of a server killed mid-request
 
     def __enter__(self) -> "HiddenStateServer":
         return self.start()
@@ -213,18 +300,42 @@ class HiddenStateServer:
     def client(self, dtype: Optional[torch.dtype] = None) -> HiddenStateClient:
         """A client of this server; dtype: default extract.dtype (the cache's)."""
         return HiddenStateClient(self.url(""), self.model, self.log_path, len(self.aux_layers) + 1, self.hidden_size,
-                                 self.norm, dtype or getattr(torch, self.params.extract.dtype))
+                                 self.norm, dtype or getattr(torch, self.params.extract.dtype), self.status_path)
+
+    @classmethod
+    def attach(cls, params: Params, layout: RunLayout, run_id: Optional[str],
+               timeout: float = READY_TIMEOUT_S) -> "HiddenStateServer":
+        """The server another rank of this torchrun launch started (its server.json names the launch),
+        once it is ready; this side never stops it."""
+        status_path = layout.online / "server.json"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status = read_status(status_path)
+            if status and status.get("run_id") == run_id:
+                if status["state"] == "ready":
+                    return cls(params, layout, port=status["port"], run_id=run_id)
+                if status["state"] == "failed":
+                    break
+            time.sleep(1.0)
+        raise ServerError(f"{STAGE}: rank 0's vLLM server was not ready within {timeout:.0f} s ({status_path}); "
+                          f"see its log, {layout.online / 'server.log'}")
+
+
+class ServerDown(Exception):
+    """A request found no server listening (it died, or is being restarted)."""
 
 
 class HiddenStateClient:
     """Requests the states of token rows from a running HiddenStateServer: one completion request per
     row (max_tokens 1, sent together so the engine batches them), each answered by one file. Holds
-    plain values only, so DataLoader workers can carry it."""
+    plain values only, so DataLoader workers can carry it. When the server dies, waits for its
+    owner's restart (server.json) and sends the rows again."""
 
     def __init__(self, url: str, model: str, log_path: Path, num_ids: int, hidden_size: int, norm: FinalNorm,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, status_path: Optional[Path] = None):
         self.url, self.model, self.log_path = url, model, Path(log_path)
         self.num_ids, self.hidden_size, self.norm, self.dtype = num_ids, hidden_size, norm, dtype
+        self.status_path = Path(status_path) if status_path else self.log_path.parent / "server.json"
 
     def _request(self, row: list) -> str:
         body = json.dumps({"model": self.model, "prompt": row, "max_tokens": 1, "temperature": 0.0})
@@ -233,9 +344,11 @@ class HiddenStateClient:
         try:
             with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
                 answer = json.loads(r.read())
+        except urllib.error.HTTPError as e:                 # the server answered, with an error
+            raise ServerError(f"{STAGE}: the vLLM server refused a request of {len(row)} tokens (HTTP {e.code}: "
+                              f"{e.read()[:500].decode(errors='replace')}); see its log, {self.log_path}") from e
         except (urllib.error.URLError, OSError) as e:
-            raise ServerError(f"{STAGE}: the vLLM server did not answer a request of {len(row)} tokens ({e}); "
-                              f"see its log, {self.log_path}") from e
+            raise ServerDown(str(e)) from e
         path = (answer.get("kv_transfer_params") or {}).get("hidden_states_path")
         if not path:
             raise ServerError(f"{STAGE}: the server's answer names no hidden-states file (is the connector "
@@ -250,13 +363,43 @@ class HiddenStateClient:
             Path(path).unlink(missing_ok=True)
         return hs[:, :3].to(self.dtype), self.norm(hs[:, 3]).to(self.dtype)     # [T, 3, H], [T, H]
 
+    def _generation(self) -> int:
+        return (read_status(self.status_path) or {}).get("generation", 0)
+
+    def _await_restart(self, generation: int, error: str) -> None:
+        """After a request found no server: return once its owner has a newer generation ready;
+        raise when the restarts are spent, when the server is up but the same one (the request
+        failed for another reason), or after the owner's ready timeout."""
+        deadline = time.monotonic() + READY_TIMEOUT_S + 60
+        while time.monotonic() < deadline:
+            status = read_status(self.status_path)
+            state = status and status.get("state")
+            if state == "ready" and status["generation"] > generation:
+                return
+            if state in (None, "failed") or (state == "ready" and healthy(self.url)):
+                break
+            time.sleep(0.5)
+        raise ServerError(f"{STAGE}: the vLLM server did not answer ({error}) and was not restarted "
+                          f"(extract.online_restarts spent, or its owner stopped); see its log, {self.log_path}")
+
     def states(self, rows: list) -> list:
-        """[(aux [T, 3, H], final [T, H])] per row, in the cache's dtype, after the final norm."""
+        """[(aux [T, 3, H], final [T, H])] per row, in the cache's dtype, after the final norm. The
+        rows are sent again, all of them, after a server restart."""
         if not rows:
             return []
-        with ThreadPoolExecutor(max_workers=min(32, len(rows))) as pool:
-            paths = list(pool.map(self._request, rows))
-        return [self._read(row, path) for row, path in zip(rows, paths)]
+        while True:
+            generation = self._generation()
+            with ThreadPoolExecutor(max_workers=min(32, len(rows))) as pool:
+                futures = [pool.submit(self._request, row) for row in rows]
+            down = [f.exception() for f in futures if isinstance(f.exception(), ServerDown)]
+            if not down:
+                paths = [f.result() for f in futures]       # raises a request's ServerError
+                return [self._read(row, path) for row, path in zip(rows, paths)]
+            for f in futures:                               # the answered rows' files: sent again below
+                if f.exception() is None:
+                    wait_for_file(f.result())
+                    Path(f.result()).unlink(missing_ok=True)
+            self._await_restart(generation, str(down[0]))
 
 
 class OnlineCache:
@@ -264,12 +407,13 @@ class OnlineCache:
     offers the trainer (len, lengths, seq_index, fingerprint, get(i) -> input_ids, loss_mask, aux,
     final). Rows are read from the memory-mapped dataset when asked for, never all held."""
 
-    def __init__(self, dataset, client: HiddenStateClient, aux_layers: list, identity: str):
+    def __init__(self, dataset, client: Optional[HiddenStateClient], aux_layers: list, identity: str):
         lengths = pc.list_value_length(dataset.data.column("input_ids")).to_pylist()      # no row decoded
         self.seq_index = [i for i, n in enumerate(lengths) if n]     # empty rows skipped, as offline
         self.lengths = [lengths[i] for i in self.seq_index]
         self.dataset, self.client, self.aux_layers = dataset, client, list(aux_layers)
-        self.hidden_size, self.dtype, self.fingerprint = client.hidden_size, client.dtype, identity
+        self.hidden_size = client.hidden_size if client else None     # None: lengths only (no server)
+        self.dtype, self.fingerprint = client.dtype if client else None, identity
 
     def __len__(self) -> int:
         return len(self.seq_index)
@@ -284,6 +428,9 @@ class OnlineCache:
 
     def get_many(self, indices: list) -> list:
         """get(i) for several items with their requests sent together (one micro-batch)."""
+        if self.client is None:
+            raise RuntimeError("this online split was opened for its lengths only (no server); "
+                               "online_train_cache(params, layout, server) serves its states")
         for i in indices:
             if not 0 <= i < len(self):
                 raise IndexError(f"item {i} out of range (the split holds {len(self)} sequences)")
@@ -297,26 +444,27 @@ class OnlineCache:
 
 # ---- the trainer's side ------------------------------------------------------------------------
 @contextlib.contextmanager
-def serving(params: Params, layout: RunLayout, world: int = 1) -> Iterator[Optional[HiddenStateServer]]:
+def serving(params: Params, layout: RunLayout, rank: int = 0) -> Iterator[Optional[HiddenStateServer]]:
     """The server for a training run in extract.mode online (None offline), stopped when the block
-    exits, also on an error or Ctrl-C."""
+    exits, also on an error or Ctrl-C. Under torchrun rank 0 starts it and the other ranks attach."""
     if params.extract.mode != "online":
         yield None
         return
-    if world > 1:
-        raise ParamsError("extract.mode: online trains with one process for now (the server is not yet shared "
-                          "between ranks); use extract.mode: offline for torchrun, or train.nproc 1")
-    with HiddenStateServer(params, layout) as server:
+    if rank > 0:
+        yield HiddenStateServer.attach(params, layout, torchrun_id())
+        return
+    with HiddenStateServer(params, layout, restarts=params.extract.online_restarts, run_id=torchrun_id()) as server:
         yield server
 
 
-def online_train_cache(params: Params, layout: RunLayout, server: HiddenStateServer) -> OnlineCache:
-    """The train split of the data stage with its states served by `server`. Its fingerprint names
-    the data and the cache params (the same states as an offline cache of these params)."""
+def online_train_cache(params: Params, layout: RunLayout, server: Optional[HiddenStateServer]) -> OnlineCache:
+    """The train split of the data stage with its states served by `server` (None: its lengths
+    only, e.g. to plan a schedule). Its fingerprint names the data and the cache params (the same
+    states as an offline cache of these params)."""
     path = layout.data_split("train")
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no processed 'train' split; run the data stage (02_data) first")
     data_key = json.dumps(load_stats(layout.root).cache_key, sort_keys=True)
     identity = hashlib.sha256(f"online|{cache_params_hash(params)}|{data_key}".encode()).hexdigest()
     dataset = load_from_disk(str(path))
-    return OnlineCache(dataset, server.client(), server.aux_layers, identity)
+    return OnlineCache(dataset, server.client() if server else None, server.aux_layers if server else [], identity)

@@ -125,6 +125,13 @@ class ExtractParams:
     # extract_hidden_states and asks it for each sequence's states: online.py). Not part of the
     # cache's identity (cache.cache_params_hash): both modes read the same states.
     mode: str = "offline"
+    # online: how often a server that dies during training is started again (the batch is sent again;
+    # then the run stops naming the server log; a checkpoint resumes it).
+    online_restarts: int = 2
+    # online on GPUs: the GPUs the server gets (indices as torch sees them; its tensor parallelism must
+    # fit them); the training ranks take the others. None: both share every visible GPU (the server
+    # takes target.gpu_memory_utilization of each). `eagle3 plan` shows both layouts' memory, hours, disk.
+    online_gpus: Optional[list] = None
 
 
 @dataclass
@@ -630,9 +637,15 @@ def validate(p: Params) -> Params:
     need(train_params.grad_accum >= 1, "train.grad_accum", "must be >= 1")
     need(train_params.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
     need(train_params.nproc >= 1, "train.nproc", "must be >= 1")
-    need(p.extract.mode == "offline" or train_params.nproc == 1, "extract.mode",
-         "online trains with one process for now (the vLLM server is not yet shared between ranks): "
-         "set train.nproc: 1, or extract.mode: offline")
+    need(p.extract.online_restarts >= 0, "extract.online_restarts", "must be >= 0 (0: stop at the first server death)")
+    gpus = p.extract.online_gpus
+    need(gpus is None or (isinstance(gpus, list) and gpus and all(isinstance(g, int) and g >= 0 for g in gpus)
+                          and len(set(gpus)) == len(gpus)), "extract.online_gpus",
+         "must be null (server and trainer share every GPU) or a list of distinct GPU indices, e.g. [4, 5, 6, 7]")
+    need(gpus is None or p.extract.mode == "online", "extract.online_gpus", "is for extract.mode: online only")
+    need(gpus is None or p.target.tensor_parallel_size <= len(gpus), "extract.online_gpus",
+         f"gives the server {len(gpus or [])} GPU(s), fewer than target.tensor_parallel_size "
+         f"({p.target.tensor_parallel_size}); give it more, or lower target.tensor_parallel_size")
     need(train_params.pg_timeout_minutes >= 1, "train.pg_timeout_minutes",
          "must be >= 1 (minutes a rank waits for the others; a short one stops long runs at a barrier)")
     need(0 < train_params.verify_sample <= 1, "train.verify_sample", "must be in (0, 1] (the share of shards hashed "

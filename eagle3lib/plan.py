@@ -17,6 +17,7 @@ Every figure says where it comes from ("measured" or "assumed"):
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -31,6 +32,7 @@ import yaml
 from .chats import MalformedRecord, chat_hash, iter_raw_records, normalize_chat, path_sha256, source_problem, sources_of
 from .files import atomic_write_json, read_json, read_metrics, update_metrics
 from .layout import RunLayout
+from .mode_plan import mode_plan, mode_rows
 from .params import (
     Params,
     ParamsError,
@@ -301,7 +303,7 @@ def heldout_host_bytes(p: Params, shape: Shape, tok_per_conv: float) -> float:
 
 def capacity_plan(p: Params, stats: Optional[DataStats] = None, memory: bool = True,
                   sources: Optional[list] = None, layout: Optional[RunLayout] = None,
-                  host_kind: Optional[str] = None, recorded: Optional[list] = None) -> dict:
+                  host_kind: Optional[str] = None, recorded: Optional[list] = None, modes: bool = True) -> dict:
     """The plan as a flat dict of named quantities (bytes, tokens, seconds); `stats`: the run's
     measured data stats (measured_stats), used when they match the profile's data params.
     sources: count_sources(p) (counted here when None); layout: the run folder whose measured rates
@@ -309,12 +311,15 @@ def capacity_plan(p: Params, stats: Optional[DataStats] = None, memory: bool = T
     work, and a torch import). host_kind, recorded: plan a CPU run for that host kind ("native_bf16"
     | "avx2"; default this CPU's) from those recorded runs (default bench/recorded_stage_times.json).
     "stages": {stage: {"seconds", "optional", "parts": [{"name", "seconds", "basis"}]}}; keys ending
-    in "_basis" say "measured ..." or "assumed ..."."""
+    in "_basis" say "measured ..." or "assumed ...". modes: add "modes" (mode_plan: offline against
+    online, each layout's hours, disk and per-GPU memory; plans the other extract.mode too)."""
     shape = target_shape(p)
     sources = count_sources(p) if sources is None else sources
     n_conv = train_conversations(p, sources)
     tok_per_conv = tokens_per_conversation(p, stats, n_conv)
-    tokens = (n_conv + p.data.num_eval) * tok_per_conv              # train and held-out caches
+    online = p.extract.mode == "online"
+    # the held-out cache, and the train split's unless it is served online during training
+    tokens = ((0 if online else n_conv) + p.data.num_eval) * tok_per_conv
     elem = 2 if p.extract.dtype in ("bfloat16", "float16") else 4
     bytes_per_token = elem * 4 * shape.hidden_size + 4 + 1  # aux (3H) + final (H), ids int32, mask u8
     cache_bytes = tokens * bytes_per_token
@@ -328,13 +333,15 @@ def capacity_plan(p: Params, stats: Optional[DataStats] = None, memory: bool = T
     else:
         train_tokens = p.train.epochs * sequences * tok_per_conv
     ckpt_bytes, ckpt_basis = checkpoint_bytes(p, shape)
+    engine_elem = 4 if p.target.dtype == "float32" else 2        # the connector writes the engine's dtype
     flops = drafter_flops_per_token({"hidden_size": shape.hidden_size, "draft_vocab_size": p.data.draft_vocab_size,
                                      "ttt_steps": p.train.ttt_steps})
     work = Workload(chats=n_conv + p.data.num_eval, regen_tokens_train=regen_train, regen_tokens_eval=regen_eval,
                     extract_tokens=tokens, cache_bytes=cache_bytes, train_tokens=train_tokens,
                     tokens_per_chat=tok_per_conv, planned_steps=steps, active_params=shape.active_params,
                     total_params=shape.total_params, checkpoint_bytes=ckpt_bytes, checkpoint_basis=ckpt_basis,
-                    drafter_flops_per_token=flops)
+                    drafter_flops_per_token=flops, served_tokens=train_tokens if online else 0.0,
+                    served_bytes=train_tokens * (4 * shape.hidden_size * engine_elem + 8) if online else 0.0)
     host = host_for(p, shape.num_gpus, host_kind, recorded)
     stages = stage_seconds(p, work, host, measured_rates(p, layout or p.layout(), stats))
     rates = {st.rate[0]: st.rate for st in stages.values() if st.rate is not None}
@@ -368,6 +375,7 @@ def capacity_plan(p: Params, stats: Optional[DataStats] = None, memory: bool = T
         "regen_rate_basis": regen[2],
         "regen_hours": regen[3] / 3600,
         "extract_backend": p.extract.backend,
+        "extract_mode": p.extract.mode,
         "extract_tokens_per_s": extract[1],
         "extract_rate_basis": extract[2],
         "extract_hours": extract[3] / 3600,
@@ -384,6 +392,11 @@ def capacity_plan(p: Params, stats: Optional[DataStats] = None, memory: bool = T
     plan["problems"] = full_run_problems(p, plan, layout)
     if memory:
         plan["memory"] = memory_plan(p)
+    if modes:
+        other = dataclasses.replace(p, extract=dataclasses.replace(
+            p.extract, mode="offline" if online else "online", online_gpus=None))
+        twin = capacity_plan(other, stats, False, sources, layout, host_kind, recorded, modes=False)
+        plan["modes"] = mode_plan(p, {p.extract.mode: plan, other.extract.mode: twin}, host.gpus, memory)
     return plan
 
 
@@ -427,6 +440,8 @@ def budget_note(plan: dict) -> str:
 
 def format_plan(plan: dict) -> str:
     rate = lambda v: "-" if v is None else f"{v:,.0f} tok/s"
+    splits = ("held out only: extract.mode online serves the train split" if plan.get("extract_mode") == "online"
+              else "train and held out")
     rows = [
         ("target", plan["target"]),
         ("shape", f"{plan['layers']} layers, hidden {plan['hidden_size']}, vocab {plan['vocab_size']}"),
@@ -436,7 +451,7 @@ def format_plan(plan: dict) -> str:
         ("train conversations", f"{plan['train_conversations']:,} [{plan['chats_basis']}: the chats minus "
                                 "data.num_eval, at most data.num_train]"),
         ("tokens to extract", f"{plan['tokens_to_extract']:,} ({plan['tokens_per_conversation']} / conversation, "
-                              f"train and held out, {plan['tokens_basis'].replace('estimated', 'assumed')})"),
+                              f"{splits}, {plan['tokens_basis'].replace('estimated', 'assumed')})"),
         ("cache bytes / token", f"{plan['cache_bytes_per_token']:,}"),
         ("hidden-state cache", human_bytes(plan["cache_bytes"])),
         ("target checkpoint", f"{human_bytes(plan['checkpoint_bytes'])} [{plan['checkpoint_basis']}]"),
@@ -455,6 +470,7 @@ def format_plan(plan: dict) -> str:
         ("throughput basis", plan["throughput_basis"]),
     ]
     rows += stage_rows(plan)
+    rows += mode_rows(plan)
     rows += memory_rows(plan)
     rows += problem_rows(plan)
     width = max(len(r[0]) for r in rows)

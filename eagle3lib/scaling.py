@@ -36,6 +36,7 @@ from .cache import HiddenCache
 from .export import export_vllm
 from .files import update_metrics
 from .layout import RunLayout
+from .online import HiddenStateServer, OnlineCache, online_train_cache, serving
 from .params import MAX_WARMUP_FRACTION, Params, ParamsError, TrainParams
 from .progress import relay
 from .target import load_tokenizer, target_path
@@ -56,27 +57,26 @@ def point_warmup_fraction(train_params: TrainParams, main_steps: Optional[int] =
     return min(MAX_WARMUP_FRACTION, train_params.warmup_steps / planned)
 
 
-def study_cache(params: Params, layout: RunLayout) -> HiddenCache:
-    """The run's training cache the study's points train on (check_study first)."""
+def study_cache(params: Params, layout: RunLayout) -> HiddenCache | OnlineCache:
+    """The run's training split the study's points train on (check_study first): 03's cache, or
+    online its lengths (each point's states then come from the study's one server)."""
     check_study(params)
+    if params.extract.mode == "online":
+        return online_train_cache(params, layout, None)
     return HiddenCache(layout.hidden("train"))
 
 
 def check_study(params: Params) -> None:
-    """A clear error when there is no study to run (scaling.sizes empty) or no cache to run it on
-    (extract.mode online keeps none on disk)."""
+    """A clear error when there is no study to run (scaling.sizes empty)."""
     if not params.scaling.sizes:
         raise ParamsError("scaling.sizes is empty, so there is no study to run; set e.g. "
                           "scaling: {sizes: [250, 500, 1000, 2000]} (at most data.num_train)")
-    if params.extract.mode == "online":
-        raise ParamsError("06_scaling trains its points on the run's hidden-state cache, and extract.mode: online "
-                          "keeps none; run the study with extract.mode: offline (03_extract writes the cache)")
 
 
 def main_run_steps(params: Params, layout: RunLayout) -> int:
     """The main run's planned optimizer steps (train.schedule on the run's training cache, its ranks)."""
     world = params.train.nproc if params.train.distributed != "none" else 1
-    return schedule(HiddenCache(layout.hidden("train")), params.train, params.seed, world)[3]
+    return schedule(study_cache(params, layout), params.train, params.seed, world)[3]
 
 
 def point_params(params: Params, n: int, main_steps: Optional[int] = None, **train_changes) -> Params:
@@ -107,16 +107,17 @@ def point_layout(layout: RunLayout, n: int, variant: str = "") -> RunLayout:
 
 
 def train_point(params: Params, layout: RunLayout, n: int, progress: bool = True, variant: str = "",
-                **train_changes) -> dict:
+                server: Optional[HiddenStateServer] = None, **train_changes) -> dict:
     """Train (or resume, or re-read) the point with n chats; returns one row of the study table.
-    variant + train_changes: the same point with a changed recipe, in its own folder."""
+    variant + train_changes: the same point with a changed recipe, in its own folder. server:
+    extract.mode online's server, shared by the study's points (one start for all)."""
     if bool(variant) != bool(train_changes):
         raise ValueError("a variant needs both a name and its train changes (and the study's points neither)")
     point = point_layout(layout, n, variant)
     main_steps = (None if params.train.max_steps or params.train.warmup_fraction is not None
                   else main_run_steps(params, layout))
     summary = train(point_params(params, n, main_steps, **train_changes), point.root, progress=progress,
-                    links_within=layout.root)
+                    links_within=layout.root, server=server)
     ev = summary["eval"] or {}
     return {"chats": n, "steps": summary["steps"], "epochs": round(summary["epochs_done"], 3),
             "train_sequences": summary["train_sequences"],
@@ -134,11 +135,12 @@ def run_study(params: Params, layout: RunLayout, progress: bool = True, log: Cal
                          f"{params.data.num_train}: the study trains on subsets of this run's training chats; "
                          "lower the sizes or grow data.num_train (and rerun 02 and 03)")
     rows = []
-    for n in params.scaling.sizes:
-        log(f"[scaling] point n={n}: {params.scaling.epochs} epochs on {n} chats")
-        rows.append(train_point(params, layout, n, progress))
-        log(f"[scaling] point n={n}: acceptance replayed {rows[-1]['acceptance_replayed']:.3f} "
-            f"after {rows[-1]['steps']} steps")
+    with serving(params, layout) as server:              # extract.mode online: one server for every point
+        for n in params.scaling.sizes:
+            log(f"[scaling] point n={n}: {params.scaling.epochs} epochs on {n} chats")
+            rows.append(train_point(params, layout, n, progress, server=server))
+            log(f"[scaling] point n={n}: acceptance replayed {rows[-1]['acceptance_replayed']:.3f} "
+                f"after {rows[-1]['steps']} steps")
     return pd.DataFrame(rows)
 
 

@@ -142,6 +142,8 @@ class Workload:
     checkpoint_bytes: float      # the target's weights on disk (engine loads)
     checkpoint_basis: str
     drafter_flops_per_token: float
+    served_tokens: float = 0.0   # extract.mode online: tokens the server prefills during training
+    served_bytes: float = 0.0    # and the connector files it writes for them (staging, deleted once read)
 
 
 @dataclass
@@ -407,10 +409,8 @@ def extract_compute(p: Params, work: Workload, host: Host, stage: Stage, measure
         stage.rate = ("extract", rate, basis, work.extract_tokens / rate)
         return
     if host.gpus:
-        flops, _, _ = GPU_KINDS[host.gpu]
-        rate = host.gpus * flops * MFU_EXTRACT / (2 * work.active_params)
-        stage.add(f"prefill {work.extract_tokens:,.0f} tokens at {rate:,.0f} tok/s", work.extract_tokens / rate,
-                  f"assumed ({host.gpus} x {flops / 1e15:.2f} PFLOP/s bf16 at MFU {MFU_EXTRACT}, {host.gpu})")
+        rate, basis = prefill_rate(p, work, host, measured)
+        stage.add(f"prefill {work.extract_tokens:,.0f} tokens at {rate:,.0f} tok/s", work.extract_tokens / rate, basis)
         gb = work.cache_bytes / 1e9
         if vllm:
             stage.add(f"connector saves {gb:,.0f} GB (one worker, synchronous)",
@@ -424,12 +424,24 @@ def extract_compute(p: Params, work: Workload, host: Host, stage: Stage, measure
         stage.rate = ("extract", work.extract_tokens / seconds,
                       "; ".join(q.basis for q in stage.parts[-4 if vllm else -2:]), seconds)
         return
-    value, basis = cpu_rate(host, "extract_tokens_per_s")
-    ratio = target_speed_ratio(host, work)
-    rate = value * ratio
-    basis += "" if ratio == 1 else f"; x {ratio:.3f} for the target's size"
+    rate, basis = prefill_rate(p, work, host, measured)
     stage.add(f"extract {work.extract_tokens:,.0f} tokens at {rate:,.0f} tok/s", work.extract_tokens / rate, basis)
     stage.rate = ("extract", rate, basis, work.extract_tokens / rate)
+
+
+def prefill_rate(p: Params, work: Workload, host: Host, measured: dict) -> tuple[float, str]:
+    """Tokens/s of the target's prefill with hidden states out (03's extraction, online's server),
+    without the cache's I/O: this run's measured extraction rate, else the GPUs' FLOPs at
+    MFU_EXTRACT, else this CPU kind's recorded rate scaled to the target's size."""
+    if "extract" in measured:
+        return measured["extract"][0], f"measured ({measured['extract'][1]})"
+    if host.gpus:
+        flops, _, _ = GPU_KINDS[host.gpu]
+        return (host.gpus * flops * MFU_EXTRACT / (2 * work.active_params),
+                f"assumed ({host.gpus} x {flops / 1e15:.2f} PFLOP/s bf16 at MFU {MFU_EXTRACT}, {host.gpu})")
+    value, basis = cpu_rate(host, "extract_tokens_per_s")
+    ratio = target_speed_ratio(host, work)
+    return value * ratio, basis + ("" if ratio == 1 else f"; x {ratio:.3f} for the target's size")
 
 
 def fidelity_loads_target(p: Params, work: Workload) -> bool:
@@ -467,12 +479,31 @@ def train_stage(p: Params, work: Workload, host: Host, stage: Stage, measured: d
         rate, basis = train_rate(p, host, work)
     seconds = work.train_tokens / rate
     stage.rate = ("train", rate, basis, seconds)
+    if work.served_tokens:                               # extract.mode online: the prefill, every epoch
+        served_part(p, work, host, stage, measured)
     if train_params.time_budget_minutes is not None and 60 * train_params.time_budget_minutes < seconds:
         stage.add(f"train (train.time_budget_minutes stops it at {train_params.time_budget_minutes:g} min)",
                   60 * train_params.time_budget_minutes, f"train.time_budget_minutes; the rate: {basis}")
     else:
         stage.add(f"train {work.planned_steps:,} steps, {work.train_tokens:,.0f} tokens at {rate:,.0f} tok/s",
                   seconds, basis)
+
+
+SERVED_PART = "server prefill"      # mode_plan.py finds the online part of the train stage by this name
+
+
+def served_part(p: Params, work: Workload, host: Host, stage: Stage, measured: dict) -> None:
+    """extract.mode online: the server's start, its prefill of every trained token (each epoch
+    again) and, on GPUs, the connector's synchronous writes of their states; the trainer waits for
+    them (the prefetch queue is one micro-batch deep per worker)."""
+    add_engines(stage, 1, host, work, "the online hidden-states server")
+    rate, basis = prefill_rate(p, work, host, measured)
+    stage.add(f"{SERVED_PART} of {work.served_tokens:,.0f} tokens at {rate:,.0f} tok/s", work.served_tokens / rate,
+              basis)
+    if host.gpus:
+        stage.add(f"connector saves {work.served_bytes / 1e9:,.0f} GB (one worker, synchronous; deleted once read)",
+                  work.served_bytes / CONNECTOR_WRITE_BYTES_PER_S,
+                  f"assumed ({CONNECTOR_WRITE_BYTES_PER_S / 1e9:g} GB/s)")
 
 
 def decode_stage(p: Params, work: Workload, host: Host, stage: Stage, which: str) -> None:

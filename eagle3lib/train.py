@@ -588,7 +588,7 @@ def train_metrics(summary: dict, history: list, train_params: TrainParams) -> di
 
 
 def train(params: Params, run_dir, progress: bool = True, callback: Optional[Callable] = None,
-          links_within=None) -> dict:
+          links_within=None, server: Optional[HiddenStateServer] = None) -> dict:
     """Train (or resume) the drafter of run `run_dir`; returns a summary dict.
 
     callback(record) is called on rank 0 after every optimizer step with the step's record
@@ -597,7 +597,8 @@ def train(params: Params, run_dir, progress: bool = True, callback: Optional[Cal
     divergence guard trips (DivergenceGuard); ParamsError before any work when the profile states
     train.gpu_memory_gb and the memory model says a step does not fit (memory.check_fits).
     links_within: the folder links in `run_dir` may point into (default `run_dir`; a 06_scaling
-    point passes its enclosing run, whose data/ and hidden/ it links to)."""
+    point passes its enclosing run, whose data/ and hidden/ it links to). server: extract.mode
+    online's running server to use (06's points share one); None starts one for this run."""
     check_fits(params)
     check_run_links(run_dir, links_within)   # no write or delete may go through a link out of the run
     dist = Dist(timeout_minutes=params.train.pg_timeout_minutes)
@@ -606,8 +607,10 @@ def train(params: Params, run_dir, progress: bool = True, callback: Optional[Cal
             raise RuntimeError("launched under torchrun with several processes but train.distributed is none; "
                                "set train.distributed to ddp or fsdp")
         layout = RunLayout(run_dir)
-        with serving(params, layout, dist.world) as server:       # extract.mode online: vLLM serves the states
-            run = setup(params, layout, dist, dist.device("auto"), server)
+        given = contextlib.nullcontext(server) if server is not None else None
+        with given or serving(params, layout, dist.rank) as server:   # extract.mode online: vLLM serves the states
+            device = dist.device("auto", avoid=tuple(params.extract.online_gpus or ()) if server else ())
+            run = setup(params, layout, dist, device, server)
             if progress and dist.rank == 0:
                 d = run.scoring.objective.drafter
                 print(f"TTT attention: {d.attention_impl} (train.attention: {params.train.attention}, device "

@@ -190,3 +190,40 @@ def test_warnings_do_not_stop_the_run(tmp_path):
     seen = []
     assert refuse_full_run(p, RunLayout(tmp_path / "run"), log=seen.append) == [f"train.checkpoint_every: {text}"]
     assert seen and "warning" in seen[0]
+
+
+def test_the_plan_compares_offline_and_online_layouts_by_hours_disk_and_memory(tmp_path):
+    """b300 on 8 GPUs: offline (03's cache), online on every GPU, and online with 4 GPUs serving and
+    4 training. Online's disk is the held-out cache plus the staging bound, its hours pay the
+    server's prefill of every trained token (both epochs) and no cache I/O; the split's hours are
+    the slower of its two sides; the memory verdicts use the memory model per layout."""
+    from eagle3lib.mode_plan import served_seconds, staging_bound_bytes
+    p = load_params("params/b300.yaml")
+    plan = capacity_plan(p, memory=True, layout=RunLayout(tmp_path / "b300"))
+    modes = {m["layout"]: m for m in plan["modes"]}
+    assert list(modes) == ["offline", "online, shared", "online, split 4 serve / 4 train"]
+    off, shared, split = modes.values()
+    assert off["disk_bytes"] == plan["cache_bytes"] > 1e12
+    online = capacity_plan(load_params("params/b300.yaml", {"extract": {"mode": "online"}}), memory=False,
+                           layout=RunLayout(tmp_path / "b300-online"))
+    held_out = online["cache_bytes"]
+    assert held_out < plan["cache_bytes"] / 50 and online["tokens_to_extract"] < plan["tokens_to_extract"] / 50
+    assert shared["disk_bytes"] == held_out + staging_bound_bytes(7168, p.train.batch_tokens, p.train.num_workers, 8)
+    prefill = [q for q in online["stages"]["train"]["parts"] if q["name"].startswith(stage_times.SERVED_PART)]
+    assert len(prefill) == 1 and f"of {online['train_tokens']:,.0f} tokens" in prefill[0]["name"]   # every epoch
+    trainer = online["stages"]["train"]["seconds"] - served_seconds(online)
+    assert shared["hours"] * 3600 == pytest.approx(online["stages"]["extract"]["seconds"] + trainer
+                                                   + served_seconds(online))
+    prefill_s = prefill[0]["seconds"]                     # the split halves the serving GPUs: prefill x 2
+    assert split["hours"] * 3600 == pytest.approx(online["stages"]["extract"]["seconds"]
+                                                  + max(trainer * 2, served_seconds(online) + prefill_s))
+    # memory: the shared trainer gets what the server (gpu_memory_utilization 0.9) leaves: it does not fit
+    assert shared["trainer_budget_gb"] == pytest.approx(288 * 0.1) and shared["fits"] is False
+    assert off["fits"] is True and split["trainer_peak_gb"] > off["trainer_peak_gb"]     # 4 ranks shard less
+    assert split["weights_gb_per_gpu"] == pytest.approx(2 * shared["weights_gb_per_gpu"])
+    text = format_plan(plan)
+    assert "hidden states: offline or online" in text and "online, split 4 serve / 4 train" in text
+    # a CPU profile compares the two modes on the CPU, no memory rows
+    ci = {m["layout"]: m for m in capacity_plan(load_params("params/ci.yaml"), memory=False,
+                                                 layout=RunLayout(tmp_path / "ci"))["modes"]}
+    assert list(ci) == ["offline", "online, shared"] and ci["online, shared"]["trainer_peak_gb"] is None
