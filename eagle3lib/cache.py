@@ -607,6 +607,11 @@ class HiddenCache:
 
     __getitem__ = get
 
+    def tokens(self, i: int) -> dict:
+        """Item i's input_ids [T] and loss_mask [T] only (no states read)."""
+        item = self.get(i)
+        return {"input_ids": item["input_ids"], "loss_mask": item["loss_mask"]}
+
     def verify(self, workers: Optional[int] = None) -> bool:
         """Every recorded shard has its recorded size and sha256 and the expected tensor shapes;
         raises CacheError naming the bad shards and the fix, returns True otherwise. Reads every

@@ -46,10 +46,13 @@ def served_seconds(plan: dict, prefill_scale: float = 1.0) -> float:
                if q["name"].startswith((SERVED_PART, "connector saves")) or "online hidden-states server" in q["name"])
 
 
-def trainer_peak(p: Params, ranks: int) -> Optional[float]:
-    """The memory model's per-GPU peak at data.max_length with `ranks` training ranks (None on a CPU profile)."""
+def trainer_peak(p: Params, ranks: int, planned: Optional[dict] = None) -> Optional[float]:
+    """The memory model's per-GPU peak at data.max_length with `ranks` training ranks (None on a CPU
+    profile); planned: the plan's "memory" section, reused when ranks are the profile's own."""
     if not p.train.gpu_memory_gb:
         return None
+    if planned and ranks == p.train.nproc and p.data.max_length in planned:
+        return float(planned[p.data.max_length]["peak_bytes"])
     from . import memory  # torch and the meta-device drafter: only when GPUs are planned
     train_params = dataclasses.replace(p.train, nproc=ranks)
     return float(memory.estimate(dataclasses.replace(p, train=train_params)).peak_bytes)
@@ -98,7 +101,7 @@ def mode_plan(p: Params, plans: dict, gpus: int, memory: bool = True) -> list:
                 row["server_gb_per_gpu"] = util * gpu_gb
                 row["weights_gb_per_gpu"] = on["checkpoint_bytes"] / 1e9 / min(serve, p.target.tensor_parallel_size)
         row["hours"] = seconds / 3600
-        peak = trainer_peak(p, ranks) if gpus and memory else None
+        peak = trainer_peak(p, ranks, plans[p.extract.mode].get("memory")) if gpus and memory else None
         row["trainer_peak_gb"] = None if peak is None else peak / 1e9
         row["trainer_budget_gb"] = None if not gpus else gpu_gb * (1 - util) if name == "online, shared" else gpu_gb
         # shared: the largest target.gpu_memory_utilization that leaves the trainer its peak and headroom

@@ -301,7 +301,7 @@ def unigram_share(cache, n: int) -> tuple[float, int]:
     checks that the drafter beats it (a drafter that learned nothing usable does not)."""
     counts = Counter()
     for i in range(min(n, len(cache))):
-        item = cache.get(i)
+        item = cache.tokens(i)                     # ids and mask only (an online split asks no server)
         counts.update(item["input_ids"][2:][item["loss_mask"][2:].bool()].tolist())
     total = sum(counts.values())
     return (max(counts.values()) / total if total else 0.0), total

@@ -424,6 +424,12 @@ class OnlineCache:
     def get(self, i: int) -> dict:
         return self.get_many([i])[0]
 
+    def tokens(self, i: int) -> dict:
+        """Item i's input_ids [T] and loss_mask [T] from the data split (no server asked)."""
+        row = self.dataset[self.seq_index[i]]
+        return {"input_ids": torch.tensor(row["input_ids"], dtype=torch.long),
+                "loss_mask": torch.tensor(row["loss_mask"], dtype=torch.bool)}
+
     __getitem__ = get
 
     def get_many(self, indices: list) -> list:

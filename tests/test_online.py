@@ -28,6 +28,7 @@ from eagle3lib.cache import CacheError, HiddenCache
 from eagle3lib.data import prepare_data
 from eagle3lib.dist import Dist
 from eagle3lib.extract import cached_splits, extract_hidden_states
+from eagle3lib.files import atomic_write_json
 from eagle3lib.mode_plan import staging_bound_bytes
 from eagle3lib.online import HiddenStateServer, OnlineCache, ServerError, engine_flags, support_error
 from eagle3lib.params import ParamsError, load_params
@@ -213,38 +214,48 @@ def new_log(path: Path, since: int) -> str:
     return path.read_bytes()[since:].decode(errors="replace")
 
 
-def test_a_dead_server_is_restarted_then_the_run_stops_and_resumes_to_the_offline_drafter(sea_runs):
-    """Same chats, same data order. Online with extract.online_restarts: 1, the server is killed after
-    step 2 (the watchdog restarts it, step 3 re-requests its batch) and after step 3 (no restart left:
-    the run stops naming the server log; the step-2 checkpoint stands); the rerun resumes with a fresh
-    server. Losses, accuracies and weights equal the offline run's: no batch trained twice or skipped."""
+def test_a_dead_server_is_restarted_and_the_run_trains_the_offline_drafter(sea_runs):
+    """Same chats, same data order. Online, the server is killed after step 2: the watchdog starts it
+    again, step 3 sends its batch again, and the run's losses, accuracies and weights equal the
+    offline run's: no batch trained twice or skipped. (Restarts spent: the next test; a rerun that
+    resumes from a checkpoint with a fresh server: the two-rank test.)"""
     offline = load_params(sea_runs["offline"])
-    online = load_params(sea_runs["online"], {"extract": {"online_restarts": 1}})
+    online = load_params(sea_runs["online"], {"extract": {"online_restarts": 1}})   # not part of the cache's hash
     log_path = online.layout().online / "server.log"
     since = log_path.stat().st_size if log_path.exists() else 0
-    off_records = []
+    off_records, on_records = [], []
     off = train(offline, offline.run_dir(), progress=False, callback=off_records.append)
     staging = online.layout().online / "states"
 
-    def kill_server_after_steps_2_and_3(record):
+    def kill_server_after_step_2(record):
         on_records.append(record)
-        if record["step"] in (2, 3):
+        if record["step"] == 2:
             for pid in server_pids(staging):
                 os.kill(pid, signal.SIGKILL)
-    on_records = []
-    with pytest.raises(ServerError, match=r"was not restarted \(extract.online_restarts spent(.|\n)*server\.log"):
-        train(online, online.run_dir(), progress=False, callback=kill_server_after_steps_2_and_3)
+    on = train(online, online.run_dir(), progress=False, callback=kill_server_after_step_2)
     log = new_log(log_path, since)
     assert "restarting it (0 restart(s) left)" in log and log.count("Application startup complete") == 2
-    assert [r["step"] for r in on_records] == [1, 2, 3]          # step 3 trained on the restarted server
-    assert on_records[2]["loss"] == pytest.approx(off_records[2]["loss"], rel=1e-4)
-    assert [c.name for c in online.layout().checkpoints.glob("step-*")] == ["step-000002"]
-    assert server_pids(staging) == [] and not (online.layout().online / "server.json").exists()
-    on_records = on_records[:2]
-    on = train(online, online.run_dir(), progress=False, callback=on_records.append)   # resumes, fresh server
     assert_same_training(off_records, on_records, off, on)
     assert not online.layout().hidden("train").exists()                     # no train cache was written
+    assert server_pids(staging) == [] and not (online.layout().online / "server.json").exists()
     assert list(staging.glob("*")) == []
+
+
+def test_a_client_stops_naming_the_log_once_the_restarts_are_spent(smollm2_dir, tmp_path):
+    """No server on the port; server.json first says `restarting` (the client waits), then `failed`
+    (restarts spent: the client raises naming the log); an answer that is the same generation and
+    healthy would be another failure (also raised, not waited on)."""
+    params = make_params(smollm2_dir, tmp_path, "vllm")
+    server = HiddenStateServer(params, params.layout())                  # never started: its paths and port
+    server.folder.mkdir(parents=True)
+    status = {"port": server.port, "run_id": None, "generation": 1, "log": str(server.log_path)}
+    atomic_write_json(server.status_path, {**status, "state": "restarting"})
+    client = server.client()
+    threading.Timer(1.5, atomic_write_json, (server.status_path, {**status, "state": "failed"})).start()
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match=r"was not restarted \(extract.online_restarts spent(.|\n)*server\.log"):
+        client.states([[1, 2, 3]])
+    assert time.monotonic() - t0 >= 1.4                                    # it waited while `restarting`
 
 
 def test_the_scaling_study_trains_its_points_online_on_one_server_as_offline(sea_runs):
