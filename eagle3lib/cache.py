@@ -609,8 +609,11 @@ class HiddenCache:
 
     def tokens(self, i: int) -> dict:
         """Item i's input_ids [T] and loss_mask [T] only (no states read)."""
-        item = self.get(i)
-        return {"input_ids": item["input_ids"], "loss_mask": item["loss_mask"]}
+        if not 0 <= i < len(self):
+            raise IndexError(f"item {i} out of range (cache holds {len(self)} sequences)")
+        f = self._open(self._shard[i])
+        a, b = self._start[i], self._end[i]
+        return {"input_ids": f.get_slice("input_ids")[a:b].long(), "loss_mask": f.get_slice("loss_mask")[a:b].bool()}
 
     def verify(self, workers: Optional[int] = None) -> bool:
         """Every recorded shard has its recorded size and sha256 and the expected tensor shapes;

@@ -60,7 +60,8 @@ def trainer_peak(p: Params, ranks: int, planned: Optional[dict] = None) -> Optio
 
 def layouts(p: Params, gpus: int) -> list:
     """(name, serving GPUs, training ranks) of the layouts worth comparing on `gpus` GPUs."""
-    ranks = p.train.nproc if p.train.distributed != "none" else 1
+    from .plan import train_world  # plan imports this module
+    ranks = train_world(p)
     out = [("offline", 0, ranks), ("online, shared", gpus, ranks)]
     if gpus >= 2:
         serve = len(p.extract.online_gpus) if p.extract.online_gpus else gpus // 2
@@ -73,8 +74,9 @@ def mode_plan(p: Params, plans: dict, gpus: int, memory: bool = True) -> list:
     verdict (memory: False leaves the memory model out, no torch import). plans: {"offline": plan,
     "online": plan} of this profile in either extract.mode (plan.capacity_plan); on a CPU profile
     (gpus 0) offline and online on the CPU."""
+    from .plan import train_world  # plan imports this module
     off, on = plans["offline"], plans["online"]
-    ranks_planned = p.train.nproc if p.train.distributed != "none" else 1
+    ranks_planned = train_world(p)
     gpu_gb, util = p.train.gpu_memory_gb, p.target.gpu_memory_utilization
     out = []
     for name, serve, ranks in layouts(p, gpus):
