@@ -63,7 +63,10 @@ pipeline: setup
 	$(VENV)/bin/eagle3 run --params $(PARAMS)
 
 # Unit tests, the vLLM integration test, then every notebook under nbval with the ci profile
-# (the notebooks' default parameters), in order, in a fresh outputs/ci run.
+# (the notebooks' default parameters), in order, in a fresh outputs/ci run. Every vLLM engine of the
+# tests runs in its caller's process (vLLM's switch; engine.py): ~5 s to start instead of ~23 s on the
+# 2-core host; tests/test_vllm_breadth.py checks one run in vLLM's default layout against it.
+test: export VLLM_ENABLE_V1_MULTIPROCESSING = 0
 test: setup
 	rm -rf outputs/ci
 	$(PY) -m pytest -q --durations=40 tests

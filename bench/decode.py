@@ -8,7 +8,9 @@ The drafter is the local run's export (`outputs/local/export`, written by 05_eva
 otherwise a RANDOM drafter is exported to a temp folder and the table says so (nothing gets
 accepted then: the EAGLE-3 row measures pure drafting overhead). Prompts: the profile's held-out
 prompts (chat template applied), the same token ids for every mode. Results go to stdout and
-outputs/bench/decode.json.
+outputs/bench/decode.json. vLLM's process layout is its default (the serving one) unless the
+environment says otherwise: `VLLM_ENABLE_V1_MULTIPROCESSING=0 python bench/decode.py` runs each
+engine in-process (a fork of the child per mode; NOTES.md, Decisions: vLLM's process layout).
 """
 from __future__ import annotations
 
@@ -69,13 +71,13 @@ def main(argv=None) -> None:
     print(f"drafter: {drafter_note}")
     if skipped:
         print(f"({skipped} held-out prompts skipped: longer than eval.max_prompt_tokens)")
-    print(f"\n{'mode':<16}{'decode tok/s':>14}{'e2e tok/s':>11}{'speedup':>9}{'accept len':>12}"
-          "  per-position acceptance")
+    print(f"\n{'mode':<16}{'engine start s':>15}{'decode tok/s':>14}{'e2e tok/s':>11}{'speedup':>9}"
+          f"{'accept len':>12}  per-position acceptance")
     for m in rows:
         speed = m["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
         per_pos = " ".join(f"{x:.2f}" for x in m["per_position_acceptance"]) or "-"
-        print(f"{m['name']:<16}{m['decode_tokens_per_s']:>14.1f}{m['tokens_per_s']:>11.1f}{speed:>8.2f}x"
-              f"{m['acceptance_length']:>12.2f}  {per_pos}")
+        print(f"{m['name']:<16}{m['load_s']:>15.1f}{m['decode_tokens_per_s']:>14.1f}{m['tokens_per_s']:>11.1f}"
+              f"{speed:>8.2f}x{m['acceptance_length']:>12.2f}  {per_pos}")
     out = params.outputs_root() / "bench" / "decode.json"
     atomic_write_json(out, {"drafter": drafter_note, "dtype": args.dtype, "prompts": len(prompts),
                             "max_new_tokens": args.max_new_tokens, "batched": args.batched,

@@ -20,6 +20,17 @@ Settings (params, see params.TargetParams; eval and extract may override the bat
     extract.model_runner            vLLM's model runner for extraction; an environment variable,
                                     not an engine argument: engine_env(params, stage)
 
+The process layout is an environment variable too (engine_env): an offline `vllm.LLM` by default
+starts an engine-core process and, on a CPU, a worker process beside the caller, each importing
+vLLM again and one CPU core kept for the scheduler. Regeneration on a CPU with one worker runs the
+engine in its own process instead (VLLM_ENABLE_V1_MULTIPROCESSING=0, vLLM's own switch): same
+tokens, started in seconds (NOTES.md, Decisions: vLLM's process layout). Extraction always keeps an
+engine-core process: the connector hands each request's file over by a lock that the engine
+releases in a later step, which an in-process engine never takes while its caller waits on the
+lock. The eval benchmarks keep vLLM's default layout, the one `vllm serve` runs, so that their
+tokens/s are a serving figure; a variable already set in the environment wins there (`make test`
+sets it for the tests' engines).
+
 The attention backend is chosen here by the CPU's flags, not by params (`cpu_attention_backend`):
 on an AMX CPU, vLLM's CPU platform prefers its bf16-only AMX_MLA backend for MLA targets
 (vllm/platforms/cpu.py `get_attn_backend_cls`), which cannot load fp32 weights; the engine then
@@ -31,6 +42,7 @@ validate them before it starts a subprocess.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -127,15 +139,31 @@ def engine_kwargs(params: Params, stage: str, model: str | Path, max_model_len: 
 # environment variable VLLM_USE_V2_MODEL_RUNNER ("0" V1, "1" V2, unset: V2 on CUDA with Triton
 # unless a feature it lacks is configured, else V1); the engine core processes inherit it.
 MODEL_RUNNER_ENV = {"v1": "0", "v2": "1"}
+# The engine core (and, on a CPU, its worker) in the calling process: vLLM's documented switch.
+IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+IN_PROCESS_STAGES = ("regenerate",)
+ENGINE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}      # vLLM's default, stated
 
 
-def engine_env(params: Params, stage: str) -> dict:
+def engine_env(params: Params, stage: str, served: bool = False, cuda: Optional[bool] = None) -> dict:
     """Environment variables the vLLM subprocess of `stage` must start with (on top of its own),
     next to engine_kwargs: for "extract", VLLM_USE_V2_MODEL_RUNNER from extract.model_runner
-    (nothing for auto: vLLM's own choice). Other stages keep vLLM's default runner."""
+    (nothing for auto: vLLM's own choice), and always an engine-core process (ENGINE_PROCESS_ENV,
+    whatever the environment says: the connector's file handover needs it); for "regenerate" on a
+    CPU with one worker, IN_PROCESS_ENV unless the environment already sets it. `served`: the
+    online server's engine (its engine core is always a process of its own). cuda: None asks torch."""
     if stage not in STAGES:
         raise ValueError(f"engine_env: unknown stage {stage!r} (known: {', '.join(STAGES)})")
     runner = params.extract.model_runner if stage == "extract" else "auto"
     if runner not in ("auto", *MODEL_RUNNER_ENV):
         raise ParamsError(f"extract.model_runner: {runner!r}; expected auto, v1 or v2")
-    return {} if runner == "auto" else {"VLLM_USE_V2_MODEL_RUNNER": MODEL_RUNNER_ENV[runner]}
+    env = {} if runner == "auto" else {"VLLM_USE_V2_MODEL_RUNNER": MODEL_RUNNER_ENV[runner]}
+    if stage == "extract":
+        env.update(ENGINE_PROCESS_ENV)
+    elif stage in IN_PROCESS_STAGES and not served and params.target.tensor_parallel_size == 1:
+        if cuda is None:
+            import torch  # lazy: this module stays light; the stages that call this have torch loaded
+            cuda = torch.cuda.is_available()
+        if not cuda:
+            env.update({k: v for k, v in IN_PROCESS_ENV.items() if k not in os.environ})
+    return env

@@ -250,6 +250,9 @@ class EvalParams:
     prompt_lookup_max: int = 4
     suffix_baseline: bool = True         # 01: vLLM's suffix decoding (arctic-inference) at k = eval.k beside n-gram
     use_vllm: bool = True
+    # 01 measures plain, n-gram and suffix decoding in vLLM too; false: 01 runs eagle3lib's n-gram
+    # sweep only, and vLLM's n-gram figure is 05's, measured beside EAGLE-3 in the same run.
+    baseline_vllm: bool = True
     vllm_dtype: str = "float32"
     vllm_prompts: Optional[int] = None   # None: same as num_prompts
     # Tokens per vLLM engine step in the benchmarks: small, so the CPU engine starts in ~2 s
@@ -688,6 +691,7 @@ def validate(p: Params) -> Params:
     need(1 <= e.prompt_lookup_min <= e.prompt_lookup_max, "eval.prompt_lookup_min",
          "must satisfy 1 <= prompt_lookup_min <= prompt_lookup_max")
     need(isinstance(e.suffix_baseline, bool), "eval.suffix_baseline", "must be true or false")
+    need(isinstance(e.baseline_vllm, bool), "eval.baseline_vllm", "must be true or false")
     need(e.max_prompt_tokens is None or e.max_prompt_tokens >= 1, "eval.max_prompt_tokens",
          "must be >= 1 (or null: no limit)")
     _check_breadth(e)

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .chat_template import prompt_ids, split_reasoning
-from .engine import engine_kwargs
+from .engine import engine_env, engine_kwargs
 from .files import atomic_write_bytes, atomic_write_json
 from .layout import RunLayout
 from .progress import tqdm
@@ -429,7 +429,7 @@ def _run_vllm_subprocess(params, model_path: Path, chats: list[dict], out_dir: P
            "--engine", json.dumps(engine_kwargs(params, "regenerate", model_path,
                                                 max_model_len=d.max_length + d.regen_max_new_tokens))]
     log_path = out_dir / "vllm.log"
-    rc, tail = run_logged(cmd, log_path, "[regen]", append=True)
+    rc, tail = run_logged(cmd, log_path, "[regen]", append=True, env=engine_env(params, "regenerate"))
     requests.unlink(missing_ok=True)
     if rc != 0:
         raise RuntimeError(f"vLLM regeneration failed (exit {rc}); log: {log_path}\n" + "\n".join(tail))

@@ -183,7 +183,8 @@ def branches(p: Params) -> dict:
         "reference decoder": e.reference_decoder,
         "vLLM eval": e.use_vllm,
         "eval sampling": "greedy" if e.temperature == 0 else "sampled",
-        "suffix baseline": e.suffix_baseline and e.use_vllm,
+        "vLLM baseline in 01": e.baseline_vllm and e.use_vllm,
+        "suffix baseline": e.suffix_baseline and e.baseline_vllm and e.use_vllm,
         "breadth": {"domains": list(e.domains), "sample_temperatures": list(e.sample_temperatures)},
         "scaling study": {"on": bool(p.scaling.sizes), "vllm": p.scaling.vllm and e.use_vllm},
     }

@@ -218,8 +218,9 @@ def regen_backend(p: Params) -> Optional[str]:
 
 
 def eval_modes(p: Params, stage: str) -> list:
-    """vLLM modes of 01 (plain, each n-gram k, suffix) or 05 (plain, n-gram, eagle3): one engine each."""
-    if not p.eval.use_vllm:
+    """vLLM modes of 01 (plain, each n-gram k, suffix; none when eval.baseline_vllm is false) or 05
+    (plain, n-gram, eagle3): one engine each."""
+    if not p.eval.use_vllm or (stage == "ngram" and not p.eval.baseline_vllm):
         return []
     if stage == "ngram":
         return ["plain"] + [f"ngram_k{k}" for k in p.eval.ngram_k] + (["suffix"] if p.eval.suffix_baseline else [])

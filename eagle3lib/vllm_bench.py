@@ -15,12 +15,14 @@ import dataclasses
 import gc
 import importlib.util
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -481,14 +483,14 @@ def run_vllm(spec: BenchSpec, workdir: Optional[str | os.PathLike] = None, timeo
 
 
 def run_logged(cmd: list, log_path: Path, progress_prefix: str, timeout: Optional[float] = None,
-               cwd: Optional[Path] = None, append: bool = False) -> tuple:
-    """Run a vLLM child process (environment: subprocess_env) with its output going to log_path;
+               cwd: Optional[Path] = None, append: bool = False, env: Optional[dict] = None) -> tuple:
+    """Run a vLLM child process (environment: subprocess_env, updated with `env`) with its output going to log_path;
     its lines starting with `progress_prefix` are shown as they come (progress.relay). Killed after
     `timeout` seconds (subprocess.TimeoutExpired). Returns (exit code, its last 40 output lines)."""
     tail = []
     with open(log_path, "a" if append else "w", encoding="utf-8") as log:
-        proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, cwd=str(cwd) if cwd else None)
+        proc = subprocess.Popen(cmd, env={**subprocess_env(), **(env or {})}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, cwd=str(cwd) if cwd else None)
         timed_out = threading.Event()
 
         def kill() -> None:
@@ -613,6 +615,35 @@ def _run_mode(spec: BenchSpec, m: ModeSpec) -> ModeResult:
     return ModeResult(name=m.name, method=m.method, k=m.k, load_s=load_s, measured=measured, groups=groups)
 
 
+def _run_mode_in_fork(spec: BenchSpec, m: ModeSpec) -> ModeResult:
+    """_run_mode in a forked copy of this process, for an engine that runs in-process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0): vLLM 0.32's CPU platform registers its kernel overrides once
+    per engine by scanning every loaded module, which fails in a process where an n-gram engine has
+    loaded numba's llvmlite ("'_lib_fn_wrapper' object has no attribute 'get'"). A fork of this
+    process, which has imported vLLM but started no engine, starts each mode in a clean one."""
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_mode_child, args=(spec, m, send), name=f"vllm_bench-{m.name}")
+    proc.start()
+    send.close()
+    try:
+        answer = receive.recv()
+    except EOFError:                                         # the fork died without a word
+        answer = {"error": f"the process of mode {m.name!r} exited without a result"}
+    proc.join()
+    if "error" in answer:
+        raise RuntimeError(f"{SPEC}: mode {m.name!r} failed (exit {proc.exitcode}):\n{answer['error']}")
+    return ModeResult.from_json(answer["result"])
+
+
+def _mode_child(spec: BenchSpec, m: ModeSpec, send) -> None:
+    try:
+        send.send({"result": _run_mode(spec, m).to_json()})
+    except BaseException:
+        send.send({"error": traceback.format_exc()})
+        raise
+
+
 def _run_group(llm, spec: BenchSpec, group: GroupSpec, make_sampling_params) -> GroupResult:
     """One spec group on the mode's engine: a warm-up repeating its first request (same prompt and
     seed; not measured), then its prompts one at a time, request i seeded with seed + i.
@@ -681,6 +712,7 @@ def main(argv=None) -> None:
     spec = BenchSpec.from_json(json.loads(Path(args.spec).read_text()))
     spec.check_runnable()
     import vllm  # lazy: vLLM (heavy, optional) runs in this child process only
+    from vllm import envs
     from vllm.platforms import current_platform
     done = []
 
@@ -689,9 +721,10 @@ def main(argv=None) -> None:
                            iomp_preloaded="libiomp5" in os.environ.get("LD_PRELOAD", ""),
                            dtype=spec.dtype, batched=spec.batched, modes=list(done))
 
+    run_mode = _run_mode if envs.VLLM_ENABLE_V1_MULTIPROCESSING else _run_mode_in_fork
     for m in spec.modes:
         print(f"[vllm_bench] mode {m.name}", flush=True)
-        r = _run_mode(spec, m)
+        r = run_mode(spec, m)
         print(f"[vllm_bench] {m.name}: {r.measured.tokens_per_s:.1f} tok/s, "
               f"acceptance length {r.measured.acceptance_length:.3f}", flush=True)
         for g in r.groups:

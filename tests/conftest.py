@@ -10,6 +10,9 @@ import pytest
 from eagle3lib.params import load_params, repo_root
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# vLLM engines in their caller's process, as `make test` runs them (Makefile; engine.py): the same
+# tokens and states as vLLM's default process layout, which tests/test_vllm_breadth.py runs once.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 @pytest.fixture(scope="session")

