@@ -11,6 +11,12 @@ A variant is `name:key=value,key=value` over train.* fields (values parsed as YA
 max_steps is set from --tokens / batch_tokens unless the variant gives it. Results are appended
 to outputs/bench/train_sweep.jsonl; `curve` holds the held-out estimate at every checkpoint (give a
 variant `checkpoint_every=200` to get one; the default evaluates only at the end).
+
+--vllm: the recipe table's measurement. Each variant's drafter is exported for vLLM, then ONE vLLM
+child decodes the run's held-out prompts (eval.vllm_prompts, T = eval.temperature, one request at a
+time) with plain, n-gram and every variant's EAGLE-3 at eval.k (or --k), as 05 does; each row gains
+vLLM's acceptance length, decode tokens/s and its ratio to n-gram's. Run it alone on the machine.
+The variants' run folders live under outputs/bench/sweep/ (the cache is linked, never copied).
 """
 from __future__ import annotations
 
@@ -23,9 +29,13 @@ from pathlib import Path
 
 import yaml
 
+from eagle3lib import evaluate as ev
+from eagle3lib.export import export_vllm
 from eagle3lib.files import remove_tree
 from eagle3lib.params import load_params
+from eagle3lib.target import load_tokenizer, target_path
 from eagle3lib.train import train
+from eagle3lib.vllm_bench import mode
 
 
 def parse_variant(text: str) -> tuple:
@@ -43,7 +53,9 @@ def main(argv=None) -> int:
     ap.add_argument("--run", default=None, help="run whose cache is used (default: the profile's run_name)")
     ap.add_argument("--tokens", type=float, default=250_000, help="input tokens per variant")
     ap.add_argument("--variant", action="append", required=True)
-    ap.add_argument("--workdir", default="/tmp/eagle3lab-sweep")
+    ap.add_argument("--workdir", default=None, help="default: outputs/bench/sweep")
+    ap.add_argument("--vllm", action="store_true", help="export every variant and measure it in vLLM (see above)")
+    ap.add_argument("--k", type=int, default=None, help="speculation length in vLLM (default: eval.k)")
     args = ap.parse_args(argv)
 
     params = load_params(args.params)
@@ -51,13 +63,14 @@ def main(argv=None) -> int:
     for need in (src.hidden("train") / "manifest.json", src.hidden("eval") / "manifest.json", src.vocab):
         if not need.is_file():
             raise SystemExit(f"{need} is missing: run the pipeline up to extract first")
-    work = Path(args.workdir)
+    work = Path(args.workdir) if args.workdir else params.outputs_root() / "bench" / "sweep"
     work.mkdir(parents=True, exist_ok=True)
     models = work / "models"
     if not models.exists():
         models.symlink_to(params.outputs_root() / "models")
     out_path = params.outputs_root() / "bench" / "train_sweep.jsonl"
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    rows, finals = [], {}
     for text in args.variant:
         name, changes = parse_variant(text)
         train_params = replace(params.train, resume=False, time_budget_minutes=None, checkpoint_every=10**9)
@@ -72,7 +85,7 @@ def main(argv=None) -> int:
         run.hidden("train").parent.symlink_to(src.hidden("train").parent)
         run.data.symlink_to(src.data)
         t0 = time.time()
-        summary = train(Q, run.root, progress=True)
+        summary = train(Q, run.root, progress=True, links_within=params.outputs_root())   # links: into outputs/
         history = json.loads(run.history.read_text())
         curve = [[r["step"], round(r["eval"]["acceptance_estimate"], 4), round(r["eval"]["acceptance_replayed"], 4)]
                  for r in history if "eval" in r]   # [step, estimate, replayed]
@@ -84,9 +97,40 @@ def main(argv=None) -> int:
                "curve": curve,
                "date": time.strftime("%Y-%m-%d %H:%M"), "params": args.params}
         print(json.dumps(row), flush=True)
-        with open(out_path, "a") as f:
+        rows.append(row)
+        finals[name] = (run.final, run.export)
+    if args.vllm:
+        measure_in_vllm(params, src, finals, rows, args.k or params.eval.k)
+    with open(out_path, "a") as f:
+        for row in rows:
             f.write(json.dumps(row) + "\n")
+    print(f"appended {len(rows)} rows to {out_path}")
     return 0
+
+
+def measure_in_vllm(params, src, finals: dict, rows: list, k: int) -> None:
+    """Export each variant's drafter, decode plain, n-gram and every EAGLE-3 variant at k in one vLLM
+    child on the source run's held-out prompts, and add vLLM's figures to each row."""
+    tdir = target_path(params)
+    exports = {name: export_vllm(final, export, tdir, layout="speculators", k=k)
+               for name, (final, export) in finals.items()}
+    prompts, _ = ev.eval_prompts(params, src.root, load_tokenizer(tdir, params.target.trust_remote_code))
+    modes = [mode("plain"), mode("ngram", k, prompt_lookup_min=params.eval.prompt_lookup_min,
+                                 prompt_lookup_max=params.eval.prompt_lookup_max)]
+    modes += [mode("eagle3", k, name=f"eagle3_{name}", model=str(path.resolve())) for name, path in exports.items()]
+    summary, raw = ev.run_vllm_eval(params, tdir, prompts, modes, src.root / "bench" / "train_sweep_vllm")
+    by_name = {r["method"]: r for r in summary.to_dict("records")}
+    ngram = by_name[f"ngram_k{k}"]
+    print(summary[["method", "tokens_per_s", "speedup", "acceptance_length", "same_output_as_plain"]]
+          .to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    for row in rows:
+        got = by_name[f"eagle3_{row['variant']}"]
+        row["vllm"] = {"k": k, "prompts": int(got["prompts"]), "acceptance_length": round(got["acceptance_length"], 3),
+                       "tokens_per_s": round(got["tokens_per_s"], 2), "speedup": round(got["speedup"], 3),
+                       "vs_ngram": round(got["tokens_per_s"] / ngram["tokens_per_s"], 3),
+                       "ngram_tokens_per_s": round(ngram["tokens_per_s"], 2),
+                       "same_output_as_plain": bool(got["same_output_as_plain"]),
+                       "vllm_version": raw["vllm_version"], "dtype": raw["dtype"]}
 
 
 if __name__ == "__main__":
