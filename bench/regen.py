@@ -19,6 +19,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 from eagle3lib.chats import held_out_chats
 from eagle3lib.data import select_train
@@ -31,7 +32,6 @@ from eagle3lib.target import load_tokenizer, target_path
 LAYOUTS = {"default": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
            "in-process": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
            "in-process-all-cores": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}}
-LAYOUT_VARIABLES = sorted({k for env in LAYOUTS.values() for k in env})
 
 
 def first_chats(params, n: int) -> list[dict]:
@@ -46,16 +46,11 @@ def first_chats(params, n: int) -> list[dict]:
 
 
 def regenerate_once(params, chats: list[dict], layout: str, folder: Path) -> dict:
-    saved = {k: os.environ.get(k) for k in LAYOUT_VARIABLES}
-    os.environ.update(LAYOUTS[layout])
-    try:
-        run_params = dataclasses.replace(params, output_dir=str(folder))
+    run_params = dataclasses.replace(params, output_dir=str(folder))
+    with mock.patch.dict(os.environ, LAYOUTS[layout]):       # the vLLM child inherits the layout
         t0 = time.perf_counter()
-        kept, stats = regenerate_chats(run_params, run_params.run_dir(), chats, progress=False)
+        kept, _ = regenerate_chats(run_params, run_params.run_dir(), chats, progress=False)
         seconds = time.perf_counter() - t0
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     results = load_results(RunLayout(run_params.run_dir()).regen(regen_key(run_params)))
     new_tokens = sum(r["new_tokens"] for r in results.values())
     return {"layout": layout, "seconds": round(seconds, 1), "new_tokens": new_tokens,

@@ -115,12 +115,12 @@ def measure_in_vllm(params, src, finals: dict, rows: list, k: int) -> None:
     exports = {name: export_vllm(final, export, tdir, layout="speculators", k=k)
                for name, (final, export) in finals.items()}
     prompts, _ = ev.eval_prompts(params, src.root, load_tokenizer(tdir, params.target.trust_remote_code))
-    modes = [mode("plain"), mode("ngram", k, prompt_lookup_min=params.eval.prompt_lookup_min,
-                                 prompt_lookup_max=params.eval.prompt_lookup_max)]
+    lookup = (k, params.eval.prompt_lookup_min, params.eval.prompt_lookup_max)
+    modes = ev.vllm_modes([lookup])                           # plain and n-gram, named as 05 names them
     modes += [mode("eagle3", k, name=f"eagle3_{name}", model=str(path.resolve())) for name, path in exports.items()]
     summary, raw = ev.run_vllm_eval(params, tdir, prompts, modes, src.root / "bench" / "train_sweep_vllm")
     by_name = {r["method"]: r for r in summary.to_dict("records")}
-    ngram = by_name[f"ngram_k{k}"]
+    ngram = by_name[ev.ngram_name(*lookup)]
     print(summary[["method", "tokens_per_s", "speedup", "acceptance_length", "same_output_as_plain"]]
           .to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     for row in rows:

@@ -145,13 +145,13 @@ IN_PROCESS_STAGES = ("regenerate",)
 ENGINE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}      # vLLM's default, stated
 
 
-def engine_env(params: Params, stage: str, served: bool = False, cuda: Optional[bool] = None) -> dict:
+def engine_env(params: Params, stage: str, cuda: Optional[bool] = None) -> dict:
     """Environment variables the vLLM subprocess of `stage` must start with (on top of its own),
     next to engine_kwargs: for "extract", VLLM_USE_V2_MODEL_RUNNER from extract.model_runner
     (nothing for auto: vLLM's own choice), and always an engine-core process (ENGINE_PROCESS_ENV,
-    whatever the environment says: the connector's file handover needs it); for "regenerate" on a
-    CPU with one worker, IN_PROCESS_ENV unless the environment already sets it. `served`: the
-    online server's engine (its engine core is always a process of its own). cuda: None asks torch."""
+    whatever the environment says: the connector's file handover needs it; the online server is an
+    "extract" engine too); for "regenerate" on a CPU with one worker, IN_PROCESS_ENV unless the
+    environment already sets it. cuda: None asks torch."""
     if stage not in STAGES:
         raise ValueError(f"engine_env: unknown stage {stage!r} (known: {', '.join(STAGES)})")
     runner = params.extract.model_runner if stage == "extract" else "auto"
@@ -160,7 +160,7 @@ def engine_env(params: Params, stage: str, served: bool = False, cuda: Optional[
     env = {} if runner == "auto" else {"VLLM_USE_V2_MODEL_RUNNER": MODEL_RUNNER_ENV[runner]}
     if stage == "extract":
         env.update(ENGINE_PROCESS_ENV)
-    elif stage in IN_PROCESS_STAGES and not served and params.target.tensor_parallel_size == 1:
+    elif stage in IN_PROCESS_STAGES and params.target.tensor_parallel_size == 1:
         if cuda is None:
             import torch  # lazy: this module stays light; the stages that call this have torch loaded
             cuda = torch.cuda.is_available()

@@ -195,7 +195,7 @@ class HiddenStateServer:
     def _launch(self) -> None:
         """Start the server process and wait until it is healthy; then server.json says so."""
         env = subprocess_env()
-        env.update(engine_env(self.params, "extract", served=True))
+        env.update(engine_env(self.params, "extract"))
         if self.params.extract.online_gpus:                 # the node split: the server's GPUs only
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.params.extract.online_gpus))
         with open(self.log_path, "ab") as log:

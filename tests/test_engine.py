@@ -28,7 +28,7 @@ def test_default_runner_is_v1_in_every_profile():
 def test_regeneration_runs_the_engine_in_process_on_a_cpu_and_extraction_never_does(monkeypatch):
     """engine_env's process layout: in-process for regeneration on a CPU with one worker (unless the
     environment says otherwise); vLLM's default for the eval benchmarks (a serving figure), GPUs and
-    tensor parallelism; extraction and its server always with an engine-core process, whatever the
+    tensor parallelism; extraction (the online server included) always with an engine-core process, whatever the
     environment says (the connector's lock handover would wait on its own engine)."""
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)     # conftest sets it for the tests
     params = load_params("params/ci.yaml", {"extract": {"model_runner": "auto"}})
@@ -36,8 +36,7 @@ def test_regeneration_runs_the_engine_in_process_on_a_cpu_and_extraction_never_d
     assert engine_env(params, "eval", cuda=False) == {} == engine_env(params, "regenerate", cuda=True)
     b300 = load_params("params/b300.yaml")
     assert engine_env(b300, "regenerate", cuda=False) == {}                 # tensor_parallel_size 8
-    for served in (False, True):
-        assert engine_env(params, "extract", served=served, cuda=False) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    assert engine_env(params, "extract", cuda=False) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     assert engine_env(params, "extract", cuda=False) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")

@@ -23,6 +23,7 @@ import pytest
 import torch
 import transformers
 import yaml
+from test_online import worst_state_difference
 
 from eagle3lib import engine
 from eagle3lib import evaluate as ev
@@ -211,13 +212,7 @@ def test_online_states_equal_the_offline_cache_on_the_kimi_target(run):
     with HiddenStateServer(params, params.layout()) as server:
         online = OnlineCache(dataset, server.client(), server.aux_layers, identity="mini-kimi")
         assert online.aux_layers == offline.aux_layers == [1, 4, 6] and online.lengths == offline.lengths
-        worst = {"aux": 0.0, "final": 0.0}
-        for i in range(len(online)):
-            on, off = online.get(i), offline.get(i)
-            assert torch.equal(on["input_ids"], off["input_ids"]) and torch.equal(on["loss_mask"], off["loss_mask"])
-            assert on["aux"].dtype == off["aux"].dtype and on["final"].shape == off["final"].shape
-            for name in worst:
-                worst[name] = max(worst[name], float((on[name] - off[name]).norm() / off[name].norm()))
+        worst = worst_state_difference(online, offline)
     assert worst["aux"] < 1e-3 and worst["final"] < 1e-3, worst
     assert not list((params.layout().online / "states").glob("*.safetensors"))      # consumed: deleted
 

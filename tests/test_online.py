@@ -70,6 +70,20 @@ def test_engine_kwargs_become_server_flags():
         ["--dtype", "float32", "--enforce-eager", "--seed", "0", "--x", '{"a": 1}']
 
 
+def worst_state_difference(online: OnlineCache, offline: HiddenCache) -> dict:
+    """Row by row, the served states against the cache's: ids, masks, dtypes and shapes equal
+    (asserted); returns the largest relative difference of the aux and final states."""
+    worst = {"aux": 0.0, "final": 0.0}
+    for i in range(len(online)):
+        on, off = online.get(i), offline.get(i)
+        assert torch.equal(on["input_ids"], off["input_ids"]) and torch.equal(on["loss_mask"], off["loss_mask"])
+        assert on["aux"].dtype == off["aux"].dtype
+        assert on["aux"].shape == off["aux"].shape and on["final"].shape == off["final"].shape
+        for name in worst:
+            worst[name] = max(worst[name], float((on[name] - off[name]).norm() / off[name].norm()))
+    return worst
+
+
 def test_online_states_equal_the_offline_cache_and_ctrl_c_leaves_no_server(offline, smollm2_dir, tmp_path, dataset):
     params = make_params(smollm2_dir, tmp_path, "vllm")
     layout = params.layout()
@@ -79,13 +93,7 @@ def test_online_states_equal_the_offline_cache_and_ctrl_c_leaves_no_server(offli
             online = OnlineCache(dataset, server.client(), server.aux_layers, identity="test")
             assert online.seq_index == offline.seq_index and online.lengths == offline.lengths
             rows = [online.row(i) for i in range(3)]
-            worst = {"aux": 0.0, "final": 0.0}
-            for i in range(len(online)):
-                on, off = online.get(i), offline.get(i)
-                assert torch.equal(on["input_ids"], off["input_ids"]) and torch.equal(on["loss_mask"], off["loss_mask"])
-                assert on["aux"].dtype == off["aux"].dtype and on["aux"].shape == off["aux"].shape
-                for name in worst:
-                    worst[name] = max(worst[name], float((on[name] - off[name]).norm() / off[name].norm()))
+            worst = worst_state_difference(online, offline)
             assert worst["aux"] < 1e-5 and worst["final"] < 1e-5, worst      # the backends' tolerance (fp32)
             batch = server.client().states(rows)                              # requests sent together
             assert all(torch.equal(a, online.get(i)["aux"]) for i, (a, _) in enumerate(batch))
