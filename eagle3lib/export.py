@@ -6,9 +6,10 @@ Two layouts, one weight file:
   `speculators_config` (vLLM's speculators format);
 - "eagle3": the original EAGLE-3 style, Llama keys + `eagle_config`.
 
-`model.safetensors` holds fc, [input_norm,] midlayer.*, norm, lm_head, d2t, t2d and NO
-embed_tokens (vLLM then shares the target's, which the drafter froze anyway). d2t is left out
-when the draft vocabulary is the whole target vocabulary (vLLM has no mapping to load it into).
+`model.safetensors` holds fc, [input_norm,] midlayer.* (a one-layer drafter; with more layers
+layers.0.*, layers.1.*, ..., see vllm_weight_names), norm, lm_head, d2t, t2d and NO embed_tokens
+(vLLM then shares the target's, which the drafter froze anyway). d2t is left out when the draft
+vocabulary is the whole target vocabulary (vLLM has no mapping to load it into).
 
 Every design choice is written explicitly, because the two layouts default differently
 (`norm_before_residual`: false in layout "eagle3", true in "speculators"):
@@ -17,6 +18,7 @@ Every design choice is written explicitly, because the two layouts default diffe
     norm_before_residual -> norm_before_residual
     norm_before_fc       -> norm_before_fc (weights: input_norm.weight, RMSNorm over 3H)
     next_step_hidden     -> norm_output (post_norm: the next step gets the normed state)
+    num_hidden_layers    -> num_hidden_layers
     aux_layer_ids        -> eagle_aux_hidden_state_layer_ids
     rope_theta/scaling   -> rope_theta, rope_parameters
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 from typing import Optional, Union
 
@@ -56,7 +59,8 @@ VLLM_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 KNOWN_FIELDS = {"hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
                 "vocab_size", "draft_vocab_size", "target_hidden_size", "aux_layer_ids",
-                "norm_before_residual", "norm_before_fc", "next_step_hidden", "hidden_act"}
+                "norm_before_residual", "norm_before_fc", "next_step_hidden", "hidden_act",
+                "num_hidden_layers"}
 
 
 class VllmExportError(ValueError):
@@ -176,12 +180,12 @@ def _rope_parameters(config) -> dict:
 
 
 def llama_layer_config(config, dtype: str) -> dict:
-    """Llama keys of the single decoder layer (vocab_size = the TARGET vocabulary)."""
+    """Llama keys of the decoder layer(s) (vocab_size = the TARGET vocabulary)."""
     c = {"model_type": "llama", "hidden_size": config.hidden_size,
          "intermediate_size": config.intermediate_size,
          "num_attention_heads": config.num_attention_heads,
          "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim,
-         "num_hidden_layers": 1, "rms_norm_eps": config.rms_norm_eps,
+         "num_hidden_layers": int(config.num_hidden_layers), "rms_norm_eps": config.rms_norm_eps,
          "rope_theta": config.rope_theta, "rope_parameters": _rope_parameters(config),
          "max_position_embeddings": config.max_position_embeddings,
          "vocab_size": config.vocab_size, "hidden_act": config.hidden_act,
@@ -253,7 +257,7 @@ def config_from_export(cfg: dict):
         norm_before_residual=bool(cfg.get("norm_before_residual", nbr_default)),
         norm_before_fc=bool(cfg.get("norm_before_fc", False)),
         next_step_hidden="post_norm" if cfg.get("norm_output", False) else "pre_norm",
-        hidden_act=layer.get("hidden_act", "silu"))
+        hidden_act=layer.get("hidden_act", "silu"), num_hidden_layers=int(layer.get("num_hidden_layers", 1)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,8 +265,52 @@ def config_from_export(cfg: dict):
 # ---------------------------------------------------------------------------------------------
 
 
+LATER_LAYER = re.compile(r"^later_layers\.(\d+)\.")
+VLLM_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+def vllm_weight_names(state: dict, num_layers: int) -> dict:
+    """The drafter's tensor names -> the names vLLM 0.32 loads. One layer: unchanged (midlayer.*,
+    which vLLM maps to layers.0.*). More: midlayer.* -> layers.0.*, later_layers.i.* ->
+    layers.{i+1}.*, and layers.{i+1}.hidden_norm.weight as ones: vLLM's LlamaDecoderLayer creates
+    that norm in every layer and only layer 0 uses it, so it is written rather than left to chance."""
+    if num_layers == 1:
+        return dict(state)
+    out = {}
+    for name, tensor in state.items():
+        if name.startswith("midlayer."):
+            name = "layers.0." + name[len("midlayer."):]
+        elif LATER_LAYER.match(name):
+            name = LATER_LAYER.sub(lambda m: f"layers.{int(m.group(1)) + 1}.", name)
+        out[name] = tensor
+    norm = out["layers.0.hidden_norm.weight"]
+    for i in range(1, num_layers):
+        out[f"layers.{i}.hidden_norm.weight"] = torch.ones_like(norm)
+    return out
+
+
+def drafter_weight_names(state: dict) -> dict:
+    """vllm_weight_names inverted (also reads layers.0.* of a one-layer export): layers.0.* ->
+    midlayer.*, layers.{i}.* -> later_layers.{i-1}.*; the unused hidden_norm of layers >= 1 is dropped."""
+    out = {}
+    for name, tensor in state.items():
+        m = VLLM_LAYER.match(name)
+        if m:
+            i = int(m.group(1))
+            rest = name[m.end():]
+            if i == 0:
+                name = "midlayer." + rest
+            elif rest == "hidden_norm.weight":
+                continue
+            else:
+                name = f"later_layers.{i - 1}." + rest
+        out[name] = tensor
+    return out
+
+
 def export_state_dict(model) -> dict:
-    """The tensors vLLM loads: everything but the frozen embedding (and d2t for a full vocab)."""
+    """The tensors vLLM loads, under vLLM's names: everything but the frozen embedding (and d2t for
+    a full vocab)."""
     cfg = model.config
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
              if k != "embed_tokens.weight"}
@@ -270,7 +318,7 @@ def export_state_dict(model) -> dict:
         if torch.any(state["d2t"] != 0):
             raise VllmExportError("full draft vocabulary with a non-identity d2t: vLLM applies no mapping then")
         del state["d2t"]
-    return state
+    return vllm_weight_names(state, int(cfg.num_hidden_layers))
 
 
 def export_vllm(final_dir_or_model, out_dir: Union[str, os.PathLike], target_path: Union[str, os.PathLike],
@@ -309,7 +357,8 @@ def load_export(export_dir: Union[str, os.PathLike], target_path: Union[str, os.
         raise FileNotFoundError(f"{export_dir}: expected config.json and {WEIGHTS_FILE} (an export_vllm folder)")
     config = config_from_export(json.loads(cfg_path.read_text()))
     check_same_target(recorded_target(export_dir / EXPORT_SIDECAR), target_path, str(export_dir))
-    return _build_drafter(Eagle3Drafter, config, load_file(str(w_path)), target_path, source=str(w_path))
+    state = drafter_weight_names(load_file(str(w_path)))
+    return _build_drafter(Eagle3Drafter, config, state, target_path, source=str(w_path))
 
 
 def export_layout(export_dir: Union[str, os.PathLike]) -> str:

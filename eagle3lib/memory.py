@@ -322,9 +322,12 @@ def run_step(objective: TTTObjective, batch: dict, device: str) -> tuple[dict, i
 
 # ==== the estimate ===============================================================================
 def unit_sizes(drafter: Eagle3Drafter) -> dict:
-    """Parameters per FSDP unit (the drafter's top-level modules): name -> (count, trainable count)."""
+    """Parameters per FSDP unit (the drafter's top-level modules, each later layer its own unit):
+    name -> (count, trainable count)."""
     out = {}
-    for name, module in drafter.named_children():
+    children = [(f"later_layers.{i}", m) for i, m in enumerate(drafter.later_layers)]
+    children += [(name, m) for name, m in drafter.named_children() if name != "later_layers"]
+    for name, module in children:
         ps = list(module.parameters())
         if ps:
             out[name] = (sum(p.numel() for p in ps), sum(p.numel() for p in ps if p.requires_grad))

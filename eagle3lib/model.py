@@ -1,21 +1,25 @@
-"""The EAGLE-3 drafter: one Llama decoder layer fed by fused auxiliary target states.
+"""The EAGLE-3 drafter: Llama decoder layer(s) fed by fused auxiliary target states.
 
 Follows ../shared/docs/eagle3.md and mirrors vLLM 0.32's `llama_eagle3.py` so that a drafter
 trained here computes the same function inside vLLM. What vLLM computes (read from
 vllm/model_executor/models/llama_eagle3.py and vllm/v1/spec_decode/llm_base_proposer.py):
 
   combine_hidden_states:  g = fc(input_norm(a) if norm_before_fc else a),  a = [a_low; a_mid; a_high]
-  layer 0 (the only layer):
+  layer 0 (`midlayer`; vLLM's layers.0):
       e = input_layernorm(embed(x))
       norm_before_residual: n = hidden_norm(g); residual = n        (speculators layout default)
       else:                 residual = g;  n = hidden_norm(g)        (original EAGLE-3 layout default)
       x2 = cat([e, n], -1)                  # NOTE the order: EMBEDDING FIRST, then the hidden state
-      residual = self_attn(x2) + residual;  m = mlp(post_attention_layernorm(residual))
-  final:  h = m + residual  ("hidden_prenorm");  logits = lm_head(norm(h))
+      residual = self_attn(x2) + residual;  h = residual + mlp(post_attention_layernorm(residual))
+  layers 1..L-1 (`later_layers`, num_hidden_layers > 1; vLLM's layers.i): plain pre-norm Llama
+      layers over H inputs, no embedding:  residual = h;  residual = self_attn(input_layernorm(h))
+      + residual;  h = residual + mlp(post_attention_layernorm(residual))
+  final:  h ("hidden_prenorm");  logits = lm_head(norm(h))
   next drafting step receives h (pre-norm) unless config.norm_output, then norm(h).
   The first drafting step at position t gets (g_t, x_{t+1}) at rope position t (input ids are
   shifted left by one, positions unchanged); step j gets (h from step j-1, its own sampled
-  token) at position t+j. Later steps do NOT go through fc again.
+  token) at position t+j. Later steps do NOT go through fc again. Each layer keeps its own
+  keys/values of every drafting step.
 
 This module takes tensors only: no trainer, cache files or file formats.
 Shapes: B batch, T new positions, S cached positions, H hidden, V target vocab,
@@ -61,10 +65,13 @@ class Eagle3Config:
     norm_before_fc: bool = False
     next_step_hidden: str = "pre_norm"    # pre_norm (vLLM default) | post_norm (vLLM norm_output)
     hidden_act: str = "silu"
+    num_hidden_layers: int = 1            # decoder layers of the drafter (vLLM llama_eagle3 loads >= 1)
 
     def __post_init__(self):
         if self.next_step_hidden not in ("pre_norm", "post_norm"):
             raise ValueError(f"next_step_hidden must be pre_norm or post_norm, got {self.next_step_hidden!r}")
+        if int(self.num_hidden_layers) < 1:
+            raise ValueError(f"num_hidden_layers must be >= 1, got {self.num_hidden_layers!r}")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act {self.hidden_act!r}: only silu (Llama SwiGLU) is implemented")
         if len(self.aux_layer_ids) != 3:
@@ -107,26 +114,26 @@ class Eagle3Config:
 
 
 class DraftKVCache:
-    """Keys/values of the drafter's single layer: k, v [B, kv, S, d] (keys after rotary)."""
+    """Keys/values of each drafter layer: k[layer], v[layer] [B, kv, S, d] (keys after rotary)."""
 
     def __init__(self):
-        self.k: Optional[torch.Tensor] = None
-        self.v: Optional[torch.Tensor] = None
+        self.k: dict = {}
+        self.v: dict = {}
 
     @property
     def length(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
+        return 0 if not self.k else self.k[0].shape[2]
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add k, v [B, kv, T, d]; return everything cached [B, kv, S+T, d]."""
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        return self.k, self.v
+    def append(self, k: torch.Tensor, v: torch.Tensor, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add layer `layer`'s k, v [B, kv, T, d]; return everything it cached [B, kv, S+T, d]."""
+        self.k[layer] = k if layer not in self.k else torch.cat([self.k[layer], k], dim=2)
+        self.v[layer] = v if layer not in self.v else torch.cat([self.v[layer], v], dim=2)
+        return self.k[layer], self.v[layer]
 
     def crop(self, n: int) -> None:
-        """Keep the first n positions (drop rejected draft steps)."""
-        if self.k is not None:
-            self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
+        """Keep the first n positions of every layer (drop rejected draft steps)."""
+        for layer in self.k:
+            self.k[layer], self.v[layer] = self.k[layer][:, :, :n], self.v[layer][:, :, :n]
 
 
 # ---- building blocks ----------------------------------------------------------------------
@@ -186,19 +193,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Eagle3Attention(nn.Module):
-    """Llama attention whose q/k/v read 2H inputs ([embedding; hidden])."""
+    """Llama attention whose q/k/v read 2H inputs ([embedding; hidden]) in layer 0, H in later layers."""
 
-    def __init__(self, config: Eagle3Config):
+    def __init__(self, config: Eagle3Config, input_size: Optional[int] = None):
         super().__init__()
         H, d = config.hidden_size, config.head_dim
+        qkv_in = 2 * H if input_size is None else input_size
         self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
-        self.q_proj = nn.Linear(2 * H, self.n_heads * d, bias=False)
-        self.k_proj = nn.Linear(2 * H, self.n_kv * d, bias=False)
-        self.v_proj = nn.Linear(2 * H, self.n_kv * d, bias=False)
+        self.q_proj = nn.Linear(qkv_in, self.n_heads * d, bias=False)
+        self.k_proj = nn.Linear(qkv_in, self.n_kv * d, bias=False)
+        self.v_proj = nn.Linear(qkv_in, self.n_kv * d, bias=False)
         self.o_proj = nn.Linear(self.n_heads * d, H, bias=False)
 
     def qkv(self, x2: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x2 [B, T, 2H] -> q [B, h, T, d], k/v [B, kv, T, d] (q and k rotated)."""
+        """x2 [B, T, 2H] (layer 0) or [B, T, H] -> q [B, h, T, d], k/v [B, kv, T, d] (q and k rotated)."""
         B, T, _ = x2.shape
         q = self.q_proj(x2).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x2).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
@@ -251,6 +259,25 @@ class Eagle3DecoderLayer(nn.Module):
         """attn_out (after o_proj), residual [B, T, H] -> h [B, T, H] (pre final norm)."""
         residual = attn_out + residual
         return residual + self.mlp(self.post_attention_layernorm(residual))
+
+
+class Eagle3LaterLayer(nn.Module):
+    """vLLM's layers.i for i >= 1: a plain pre-norm Llama layer over H inputs (no embedding, no
+    hidden_norm). Same interface as Eagle3DecoderLayer, so the caller runs every layer alike."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(H, eps)
+        self.self_attn = Eagle3Attention(config, input_size=H)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.mlp = Eagle3MLP(config)
+
+    def attention_input(self, hidden: torch.Tensor, embeds: Optional[torch.Tensor] = None):
+        """hidden [B, T, H] (the previous layer's pre-norm output) -> x [B, T, H], residual [B, T, H]."""
+        return self.input_layernorm(hidden), hidden
+
+    finish = Eagle3DecoderLayer.finish
 
 
 # ---- attention over the TTT layout --------------------------------------------------------
@@ -454,7 +481,9 @@ class Eagle3Drafter(nn.Module):
         self.fc = nn.Linear(fc_in, H, bias=False)
         self.embed_tokens = nn.Embedding(V, H)
         self.embed_tokens.weight.requires_grad_(False)                 # the target's, frozen
-        self.midlayer = Eagle3DecoderLayer(config)
+        self.midlayer = Eagle3DecoderLayer(config)                      # vLLM's layers.0
+        self.later_layers = nn.ModuleList(Eagle3LaterLayer(config)      # vLLM's layers.1 ..
+                                          for _ in range(int(config.num_hidden_layers) - 1))
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.lm_head = nn.Linear(H, Dv, bias=False)
         self.rotary = RotaryEmbedding(config)
@@ -498,31 +527,34 @@ class Eagle3Drafter(nn.Module):
         nxt = h if self.config.next_step_hidden == "pre_norm" else normed
         return self.lm_head(normed), nxt
 
-    def _step_layer_input(self, hidden, input_ids, position_ids):
-        """-> q [B,h,T,d], k/v [B,kv,T,d], residual [B,T,H]."""
-        x2, residual = self.midlayer.attention_input(hidden, self.embed_tokens(input_ids))
-        cos, sin = self.rotary(position_ids)
-        q, k, v = self.midlayer.self_attn.qkv(x2, cos, sin)
-        return q, k, v, residual
+    @property
+    def layers(self) -> list:
+        """The decoder layers in order: [midlayer, *later_layers] (vLLM's layers.0 ..)."""
+        return [self.midlayer, *self.later_layers]
 
     # -- inference --
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 cache: Optional[DraftKVCache] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [B, T, H] (g, or the previous step's next_hidden), input_ids/position_ids [B, T].
-        Attends to everything in `cache` plus the T new positions causally and appends them to it.
-        Returns (logits [B, T, Dv] over the draft vocabulary, next_hidden [B, T, H])."""
-        attn = self.midlayer.self_attn
-        q, k, v, residual = self._step_layer_input(hidden, input_ids, position_ids)
-        if cache is not None:
-            k, v = cache.append(k, v)                                  # [B, kv, S+T, d]
-        T, S_all = q.shape[2], k.shape[2]
-        k, v = attn.expand_kv(k), attn.expand_kv(v)                    # [B, h, S+T, d]
-        if T == 1:
-            o = F.scaled_dot_product_attention(q, k, v)
-        else:  # query i (absolute S+i) sees all cached keys and new keys <= i
-            mask = torch.ones(T, S_all, dtype=torch.bool, device=q.device).tril(S_all - T)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        h = self.midlayer.finish(attn.out(o), residual)
+        Each layer attends to everything it cached plus the T new positions causally and appends
+        them to `cache`. Returns (logits [B, T, Dv] over the draft vocabulary, next_hidden [B, T, H])."""
+        embeds = self.embed_tokens(input_ids)                          # [B, T, H]
+        cos, sin = self.rotary(position_ids)
+        h = hidden
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x, residual = layer.attention_input(h, embeds)             # x [B, T, 2H] (layer 0) or [B, T, H]
+            q, k, v = attn.qkv(x, cos, sin)
+            if cache is not None:
+                k, v = cache.append(k, v, i)                           # [B, kv, S+T, d]
+            T, S_all = q.shape[2], k.shape[2]
+            k, v = attn.expand_kv(k), attn.expand_kv(v)                # [B, h, S+T, d]
+            if T == 1:
+                o = F.scaled_dot_product_attention(q, k, v)
+            else:  # query i (absolute S+i) sees all cached keys and new keys <= i
+                mask = torch.ones(T, S_all, dtype=torch.bool, device=q.device).tril(S_all - T)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            h = layer.finish(attn.out(o), residual)                    # [B, T, H] pre-norm
         return self.head(h)
 
     # -- training-time test --
@@ -532,44 +564,49 @@ class Eagle3Drafter(nn.Module):
         reads (h_{j-1,t} or g_t, x_{t+1+j}) at rope position t+j and predicts x_{t+2+j}.
         Positions whose input token lies beyond T read token id 0: their outputs are garbage but
         finite and the loss must mask them (t + 2 + j >= length).
-        With activation_checkpointing (and grad enabled) each step's layer runs under
+        With activation_checkpointing (and grad enabled) each step's layers run under
         torch.utils.checkpoint: backward keeps only the step inputs and recomputes the rest."""
         B, T = input_ids.shape
         base_pos = torch.arange(T, device=input_ids.device).expand(B, T)
         hidden = self.fuse(aux)                                          # g [B, T, H]
         padded_ids = F.pad(input_ids, (0, ttt_steps))                    # [B, T + J], 0 past the end
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
-        k0 = v0 = None
-        kd, vd, outs = [], [], []
+        past = [None] * len(self.layers)         # per layer: (k0, v0, [k_1..], [v_1..]) [B, h, T, d] each
+        outs = []
         for j in range(ttt_steps):
             ids = padded_ids[:, j + 1: j + 1 + T]                        # x_{t+1+j}  [B, T]
-            args = (hidden, ids, base_pos + j, k0, v0, kd, vd)
+            args = (hidden, ids, base_pos + j, past)
             if recompute:
-                h, normed, k, v = checkpoint(self._ttt_step, *args, use_reentrant=False)
+                h, normed, new_kv = checkpoint(self._ttt_step, *args, use_reentrant=False)
             else:
-                h, normed, k, v = self._ttt_step(*args)
-            if j == 0:
-                k0, v0 = k, v
-            else:
-                kd, vd = kd + [k], vd + [v]
+                h, normed, new_kv = self._ttt_step(*args)
+            past = [(k, v, [], []) if p is None else (p[0], p[1], p[2] + [k], p[3] + [v])
+                    for p, (k, v) in zip(past, new_kv)]
             outs.append(normed)
             hidden = h if self.config.next_step_hidden == "pre_norm" else normed
         return outs
 
-    def _ttt_step(self, hidden, ids, position_ids, k0, v0, kd: list, vd: list):
-        """One TTT step's layer. hidden [B, T, H], ids/position_ids [B, T]; k0/v0 [B, h, T, d] of step 0
-        (None at step 0), kd/vd the keys/values of steps 1..j-1. -> h [B, T, H] (pre-norm),
-        normed [B, T, H], this step's k, v [B, h, T, d]."""
-        attn = self.midlayer.self_attn
-        q, k, v, residual = self._step_layer_input(hidden, ids, position_ids)
-        k, v = attn.expand_kv(k), attn.expand_kv(v)                      # [B, h, T, d]
-        if k0 is None:
-            o = ttt_attention(q, k, v, [], [], self.attention_impl, self._mask_cache, self.attention_block)
-        else:
-            o = ttt_attention(q, k0, v0, kd + [k], vd + [v], self.attention_impl, self._mask_cache,
-                              self.attention_block)
-        h = self.midlayer.finish(attn.out(o), residual)                  # [B, T, H]
-        return h, self.norm(h), k, v
+    def _ttt_step(self, hidden, ids, position_ids, past: list):
+        """One TTT step through every layer. hidden [B, T, H], ids/position_ids [B, T]; past per layer
+        None (step 0) or (k0, v0 [B, h, T, d] of step 0, kd, vd: the keys/values of steps 1..j-1).
+        -> h [B, T, H] (pre-norm), normed [B, T, H], per layer this step's (k, v) [B, h, T, d]."""
+        embeds = self.embed_tokens(ids)                                  # [B, T, H]
+        cos, sin = self.rotary(position_ids)
+        h, new_kv = hidden, []
+        for layer, layer_past in zip(self.layers, past):
+            attn = layer.self_attn
+            x, residual = layer.attention_input(h, embeds)
+            q, k, v = attn.qkv(x, cos, sin)
+            k, v = attn.expand_kv(k), attn.expand_kv(v)                  # [B, h, T, d]
+            if layer_past is None:
+                o = ttt_attention(q, k, v, [], [], self.attention_impl, self._mask_cache, self.attention_block)
+            else:
+                k0, v0, kd, vd = layer_past
+                o = ttt_attention(q, k0, v0, kd + [k], vd + [v], self.attention_impl, self._mask_cache,
+                                  self.attention_block)
+            h = layer.finish(attn.out(o), residual)                      # [B, T, H]
+            new_kv.append((k, v))
+        return h, self.norm(h), new_kv
 
     def ttt_forward(self, aux: torch.Tensor, input_ids: torch.Tensor, ttt_steps: int,
                     attention_mask: Optional[torch.Tensor] = None) -> list[torch.Tensor]:

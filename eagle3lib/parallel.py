@@ -40,13 +40,13 @@ def mixed_precision(train_params: TrainParams, device: torch.device) -> MixedPre
 
 
 def shard_objective(objective: TTTObjective, mp: MixedPrecisionPolicy) -> nn.Module:
-    """FSDP2 units for a one-layer drafter with a big embedding and head, each all-gathered only
-    while it computes: the frozen embedding, fc, the decoder layer, the drafter's remaining
+    """FSDP2 units for a drafter with a big embedding and head, each all-gathered only
+    while it computes: the frozen embedding, fc, each decoder layer, the drafter's remaining
     parameters (final norm + lm_head, and input_norm when present), then the root (the objective).
 
     TTTObjective does not call these modules' forward everywhere, so FSDP2's pre-forward hooks get
     explicit entry points (register_fsdp_forward_method, a documented FSDP2 API):
-    - the decoder layer is entered through `attention_input` (then self_attn.qkv / out / finish
+    - each decoder layer is entered through `attention_input` (then self_attn.qkv / out / finish
       run on the same gathered weights: reshard_after_forward=False keeps them gathered through
       all TTT steps). Its backward hooks fire once per TTT step, at attention_input's inputs,
       while the earlier steps' qkv / out / finish still need the weights, so it does not reshard
@@ -58,9 +58,10 @@ def shard_objective(objective: TTTObjective, mp: MixedPrecisionPolicy) -> nn.Mod
     drafter = objective.drafter
     fully_shard(drafter.embed_tokens, mp_policy=mp)
     fully_shard(drafter.fc, mp_policy=mp)
-    fully_shard(drafter.midlayer, mp_policy=mp, reshard_after_forward=False)
-    register_fsdp_forward_method(drafter.midlayer, "attention_input")
-    drafter.midlayer.set_reshard_after_backward(False, recurse=False)
+    for layer in drafter.layers:                         # midlayer, then any later layers
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=False)
+        register_fsdp_forward_method(layer, "attention_input")
+        layer.set_reshard_after_backward(False, recurse=False)
     fully_shard(drafter, mp_policy=mp, reshard_after_forward=False)
     register_fsdp_forward_method(drafter, "ttt_hidden")
     return fully_shard(objective, mp_policy=mp)

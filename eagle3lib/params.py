@@ -179,6 +179,9 @@ class TrainParams:
     # random init. See train.init_from_target_layer.
     init_from_layer: Optional[int] = None
     next_step_hidden: str = "pre_norm"   # pre_norm | post_norm: what step j+1 gets as g
+    # Decoder layers of the drafter: 1 (EAGLE-3's recipe) or more (vLLM's llama_eagle3 loads
+    # num_hidden_layers > 1: layer 0 reads [embedding; hidden], later layers are plain Llama layers).
+    draft_layers: int = 1
     init_lm_head: bool = True            # initialise lm_head rows from the target's head
     freeze_lm_head: bool = False
     loss_average: str = "masked"         # masked | all
@@ -617,6 +620,8 @@ def validate(p: Params) -> Params:
     need(e.vllm_max_num_batched_tokens is None or e.vllm_max_num_batched_tokens >= 16,
          "eval.vllm_max_num_batched_tokens", "must be >= 16 (or null: target.max_num_batched_tokens)")
     need(1 <= train_params.ttt_steps <= 16, "train.ttt_steps", "must be in 1..16")
+    need(isinstance(train_params.draft_layers, int) and 1 <= train_params.draft_layers <= 8, "train.draft_layers",
+         "must be an integer in 1..8 (decoder layers of the drafter)")
     need(0 < train_params.decay <= 1, "train.decay", "must be in (0, 1]")
     need(train_params.lr > 0, "train.lr", "must be > 0")
     need(0 <= train_params.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")

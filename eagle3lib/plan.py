@@ -95,13 +95,15 @@ def target_shape(p: Params) -> Shape:
                  active, KNOWN_TOTAL_PARAMS.get(h) or active, gpus, p.target.path)
 
 
-def drafter_params(shape: Shape, draft_vocab: int) -> float:
-    """Trainable parameters of the one-layer drafter (fc, attention on 2H, SwiGLU MLP, lm_head)."""
+def drafter_params(shape: Shape, draft_vocab: int, layers: int = 1) -> float:
+    """Trainable parameters of the drafter (fc, layer 0 with attention on 2H, later layers with
+    attention on H, SwiGLU MLPs, lm_head)."""
     h, i = shape.hidden_size, shape.intermediate_size
     fc = 3 * h * h
     attn = 2 * h * h * 2 + 2 * h * h // 2 + h * h  # q and k/v (kv heads <= heads) on 2H, o_proj
+    later_attn = h * h + h * h // 2 + h * h       # the same on H
     mlp = 3 * h * i
-    return fc + attn + mlp + draft_vocab * h
+    return fc + attn + mlp + (layers - 1) * (later_attn + mlp) + draft_vocab * h
 
 
 def checkpoint_bytes(p: Params, shape: Shape) -> tuple[float, str]:
@@ -207,7 +209,9 @@ def measured_rates(p: Params, layout: RunLayout, stats: Optional[DataStats] = No
     if extract and ran.get("extract", {}).get("backend") == p.extract.backend:
         out["extract"] = (float(extract), f"metrics.json ({p.extract.backend} backend)")
     train = metrics.get("train", {}).get("train_tokens_per_s")
-    if train and ran.get("train", {}).get("ttt_steps") == p.train.ttt_steps:
+    ran_train = ran.get("train", {})
+    if train and ran_train.get("ttt_steps") == p.train.ttt_steps \
+            and ran_train.get("draft_layers", 1) == p.train.draft_layers:
         out["train"] = (float(train), "metrics.json")
     return out
 
@@ -323,7 +327,7 @@ def capacity_plan(p: Params, stats: Optional[DataStats] = None, memory: bool = T
     elem = 2 if p.extract.dtype in ("bfloat16", "float16") else 4
     bytes_per_token = elem * 4 * shape.hidden_size + 4 + 1  # aux (3H) + final (H), ids int32, mask u8
     cache_bytes = tokens * bytes_per_token
-    draft_p = drafter_params(shape, p.data.draft_vocab_size)
+    draft_p = drafter_params(shape, p.data.draft_vocab_size, p.train.draft_layers)
     per_chat = regenerated_tokens_per_chat(p) if p.data.regenerate else 0.0
     regen_train, regen_eval = regenerated_conversations(p, n_conv) * per_chat, p.data.num_eval * per_chat
     sequences = n_conv if p.train.max_sequences is None else min(n_conv, p.train.max_sequences)
@@ -335,7 +339,7 @@ def capacity_plan(p: Params, stats: Optional[DataStats] = None, memory: bool = T
     ckpt_bytes, ckpt_basis = checkpoint_bytes(p, shape)
     engine_elem = 4 if p.target.dtype == "float32" else 2        # the connector writes the engine's dtype
     flops = drafter_flops_per_token({"hidden_size": shape.hidden_size, "draft_vocab_size": p.data.draft_vocab_size,
-                                     "ttt_steps": p.train.ttt_steps})
+                                     "ttt_steps": p.train.ttt_steps, "draft_layers": p.train.draft_layers})
     work = Workload(chats=n_conv + p.data.num_eval, regen_tokens_train=regen_train, regen_tokens_eval=regen_eval,
                     extract_tokens=tokens, cache_bytes=cache_bytes, train_tokens=train_tokens,
                     tokens_per_chat=tok_per_conv, planned_steps=steps, active_params=shape.active_params,

@@ -8,7 +8,9 @@ its cosine schedule spans its own steps; its warmup is the same share of its own
 run's, so every point leaves warmup). Every point is scored on the same held-out cache
 (`acceptance_replayed`: chain decoding at k = train.ttt_steps replayed on each held-out answer,
 objective.evaluate) and, with scaling.vllm, in one vLLM subprocess (one engine per point, plus
-plain decoding for the speed ratio) on the held-out prompts 05_eval uses.
+plain decoding and n-gram at eval.k for the speed ratios) on the held-out prompts 05_eval uses.
+minutes_curve puts each point's EAGLE-3 / n-gram tokens/s against the minutes it cost (its share of
+02's and 03's stage times plus its own training).
 
 A point is an ordinary training run folder, outputs/<run>/scaling/n<N>/ (layout.scaling_point):
 data/ and hidden/ are relative links to the run's own, train/ and export/ are the point's. The
@@ -34,7 +36,7 @@ import pandas as pd
 from . import evaluate as ev
 from .cache import HiddenCache
 from .export import export_vllm
-from .files import update_metrics
+from .files import read_metrics, update_metrics
 from .layout import RunLayout
 from .online import HiddenStateServer, OnlineCache, online_train_cache, serving
 from .params import MAX_WARMUP_FRACTION, Params, ParamsError, TrainParams
@@ -123,7 +125,8 @@ def train_point(params: Params, layout: RunLayout, n: int, progress: bool = True
             "train_sequences": summary["train_sequences"],
             "acc0": ev.get("acc", [float("nan")])[0], "acceptance_estimate": ev.get("acceptance_estimate"),
             "acceptance_replayed": ev.get("acceptance_replayed"), "replay_rounds": ev.get("replay_rounds"),
-            "tokens_per_s": summary["tokens_per_s_this_run"], "final_dir": summary["final_dir"]}
+            "tokens_per_s": summary["tokens_per_s_this_run"],
+            "train_s": summary.get("train_seconds_this_run"), "final_dir": summary["final_dir"]}
 
 
 def run_study(params: Params, layout: RunLayout, progress: bool = True, log: Callable = relay) -> pd.DataFrame:
@@ -160,16 +163,71 @@ def vllm_mode_name(n: int, k: int) -> str:
 
 
 def vllm_compare(params: Params, layout: RunLayout, exports: dict, workdir, limit: Optional[int] = None) -> tuple:
-    """Plain decoding, then each export {mode name: folder} as eagle3 at k = eval.k, in ONE vLLM
-    subprocess on the run's held-out prompts (the first `limit`, else eval.vllm_prompts) ->
-    (summary DataFrame, raw result, the same-output report). At T = 0 in fp32 every output must
-    equal plain's: evaluate.check_vllm_same_output raises naming the prompt."""
+    """Plain decoding, n-gram at eval.k (named evaluate.ngram_name, as 05 names it), then each export
+    {mode name: folder} as eagle3 at k = eval.k, in ONE vLLM subprocess on the run's held-out
+    prompts (the first `limit`, else eval.vllm_prompts) -> (summary DataFrame, raw result, the
+    same-output report). At T = 0 in fp32 every output must equal plain's:
+    evaluate.check_vllm_same_output raises naming the prompt."""
     tdir = target_path(params)
     prompts, _ = ev.eval_prompts(params, layout.root, load_tokenizer(tdir, params.target.trust_remote_code))
     prompts = prompts[:limit] if limit else prompts
-    modes = [mode("plain")] + [mode("eagle3", params.eval.k, name=name, model=str(d)) for name, d in exports.items()]
+    modes = ev.vllm_modes([ngram_setting(params)])
+    modes += [mode("eagle3", params.eval.k, name=name, model=str(d)) for name, d in exports.items()]
     summary, raw = ev.run_vllm_eval(params, tdir, prompts, modes, workdir)
     return summary, raw, ev.check_vllm_same_output(raw, prompts, params)
+
+
+def ngram_setting(params: Params) -> tuple:
+    """(k, prompt_lookup_min, prompt_lookup_max) of the study's n-gram row: eval.k, as 05 runs it."""
+    return params.eval.k, params.eval.prompt_lookup_min, params.eval.prompt_lookup_max
+
+
+# ==== what each point cost ======================================================================
+def minutes_curve(params: Params, layout: RunLayout, table: pd.DataFrame, vllm_table: pd.DataFrame,
+                  vllm_summary: pd.DataFrame, cached_chats: int) -> pd.DataFrame:
+    """One row per point: the minutes it cost and its EAGLE-3 / n-gram vLLM tokens/s.
+
+    minutes = (02's + 03's stage seconds) x chats / cached_chats (its share of regenerating and
+    extracting the run's chats) + its own training seconds (train_s: this process's share when a
+    point was resumed). 02's and 03's seconds: the run's metrics.json (runner.stage_seconds; absent
+    when the notebooks ran outside `eagle3 run`: `minutes` then counts training only, `data_minutes`
+    shows 0).
+    vllm_table: the study's eagle3 rows with their chats; vllm_summary: the run's whole summary,
+    which holds the n-gram row."""
+    ngram = vllm_summary.loc[vllm_summary["method"] == ev.ngram_name(*ngram_setting(params))]
+    if len(ngram) != 1:
+        raise ValueError(f"the vLLM summary has no single {ev.ngram_name(*ngram_setting(params))} row "
+                         "(vllm_compare runs n-gram beside the points)")
+    ngram_tps = float(ngram["tokens_per_s"].iloc[0])
+    stage_seconds = read_metrics(layout.metrics).get("runner", {}).get("stage_seconds", {})
+    upstream_s = sum(float(stage_seconds.get(stage, 0.0)) for stage in ("data", "extract"))
+    by_chats = vllm_table.set_index("chats")
+    rows = []
+    for row in table.itertuples():
+        share = upstream_s * row.chats / cached_chats
+        eagle = by_chats.loc[row.chats]
+        rows.append({"chats": int(row.chats), "data_minutes": share / 60, "train_minutes": (row.train_s or 0.0) / 60,
+                     "minutes": (share + (row.train_s or 0.0)) / 60,
+                     "eagle3_tokens_per_s": float(eagle["tokens_per_s"]), "ngram_tokens_per_s": ngram_tps,
+                     "vs_ngram": float(eagle["tokens_per_s"]) / ngram_tps,
+                     "acceptance_length": float(eagle["acceptance_length"])})
+    return pd.DataFrame(rows)
+
+
+def plot_minutes(curve: pd.DataFrame):
+    """EAGLE-3 / n-gram vLLM tokens/s against the minutes each point cost (1.0: a tie with n-gram)."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(curve["minutes"], curve["vs_ngram"], "o-", color="C2")
+    for row in curve.itertuples():
+        ax.annotate(f"{row.chats} chats", (row.minutes, row.vs_ngram), textcoords="offset points", xytext=(4, 4),
+                    fontsize=8)
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("minutes spent (regeneration + extraction share + training)")
+    ax.set_ylabel("EAGLE-3 / n-gram tokens/s (vLLM)")
+    ax.set_title("What the minutes buy: EAGLE-3 against the free baseline")
+    fig.tight_layout()
+    return fig
 
 
 # ==== the fitted curve ==========================================================================
@@ -247,9 +305,11 @@ def plot_curve(table: pd.DataFrame, fit: dict, targets=(), vllm: Optional[pd.Dat
 
 
 def record_study(params: Params, layout: RunLayout, table: pd.DataFrame, fit: dict,
-                 vllm_table: Optional[pd.DataFrame] = None, vllm_fit: Optional[dict] = None) -> str:
+                 vllm_table: Optional[pd.DataFrame] = None, vllm_fit: Optional[dict] = None,
+                 curve: Optional[pd.DataFrame] = None) -> str:
     """metrics.json's "scaling" section (the points' acceptance, both fits, the chats each target
-    needs by the vLLM fit when there is one, else the replayed one) and its verdict line, returned."""
+    needs by the vLLM fit when there is one, else the replayed one, the minutes curve) and its
+    verdict line, returned."""
     main_fit = vllm_fit or fit
     k = params.eval.k if vllm_fit else params.train.ttt_steps
     needed = {str(t): chats_for(main_fit, t, k) for t in params.scaling.targets}
@@ -265,5 +325,8 @@ def record_study(params: Params, layout: RunLayout, table: pd.DataFrame, fit: di
         "fit_replayed": fit,
         "acceptance_vllm": None if vllm_table is None else [float(x) for x in vllm_table["acceptance_length"]],
         "speedup_vllm": None if vllm_table is None else [float(x) for x in vllm_table["speedup"]],
-        "fit_vllm": vllm_fit, "chats_for_targets": needed, "verdict": verdict})
+        "fit_vllm": vllm_fit, "chats_for_targets": needed,
+        "minutes": None if curve is None else [round(float(x), 2) for x in curve["minutes"]],
+        "vs_ngram_vllm": None if curve is None else [round(float(x), 3) for x in curve["vs_ngram"]],
+        "verdict": verdict})
     return verdict

@@ -312,11 +312,13 @@ def train_rate(p: Params, host: Host, work: Workload) -> tuple[float, str]:
 
 def drafter_flops_per_token(shape: dict, ttt_steps: Optional[int] = None) -> float:
     """Training FLOPs per token of the drafter (6 x parameters per TTT step, plus the target head's
-    labels over the draft vocabulary); shape: hidden_size, draft_vocab_size, ttt_steps."""
+    labels over the draft vocabulary); shape: hidden_size, draft_vocab_size, ttt_steps and
+    optionally draft_layers (1)."""
     h, dv = shape["hidden_size"], shape["draft_vocab_size"]
     steps = ttt_steps or shape["ttt_steps"]
     layer = 3 * h * h + 2 * h * h * 2 + 2 * h * h // 2 + h * h + 3 * h * (8 * h // 3) + dv * h
-    return steps * 6 * layer + 2 * dv * h
+    later = h * h + h * h // 2 + h * h + 3 * h * (8 * h // 3)
+    return steps * 6 * (layer + (shape.get("draft_layers", 1) - 1) * later) + 2 * dv * h
 
 
 # ---- the stages --------------------------------------------------------------------------------

@@ -99,7 +99,7 @@ def make_optimizers_for(model: nn.Module, train_params: TrainParams) -> list:
     if train_params.optimizer == "muon":
         if not hasattr(torch.optim, "Muon"):
             raise RuntimeError("train.optimizer: muon needs torch.optim.Muon (torch >= 2.9)")
-        is_muon = lambda n, p: p.dim() == 2 and ("midlayer." in n or n.endswith("fc.weight"))
+        is_muon = lambda n, p: p.dim() == 2 and ("midlayer." in n or "later_layers." in n or n.endswith("fc.weight"))
         muon = [p for n, p in named if is_muon(n, p)]
         rest = [p for n, p in named if not is_muon(n, p)]
         return [muon_optimizer(muon, train_params),
@@ -277,7 +277,8 @@ def build_drafter(params: Params, target_dir: Path, hidden_size: int, aux_layers
     hf = read_json(Path(target_dir) / "config.json")   # plain JSON: no transformers import needed
     config = Eagle3Config.from_target_config(
         hf, d2t.numel(), aux_layers, norm_before_residual=train_params.norm_before_residual,
-        norm_before_fc=train_params.norm_before_fc, next_step_hidden=train_params.next_step_hidden)
+        norm_before_fc=train_params.norm_before_fc, next_step_hidden=train_params.next_step_hidden,
+        num_hidden_layers=train_params.draft_layers)
     if config.hidden_size != hidden_size:
         raise ValueError(f"hidden cache has H={hidden_size}, the target {target_dir} has H={config.hidden_size}")
     torch.manual_seed(params.seed)
@@ -557,6 +558,7 @@ def finish(run: TrainRun, stopped_by: str, tokens_seen: float, seconds: float) -
                "train_step_acc": history[-1]["step_acc"] if history else None,
                "eval": evals[-1]["eval"] if evals else None,
                "tokens_per_s_this_run": tokens_seen / max(1e-9, seconds),
+               "train_seconds_this_run": seconds,
                "checkpoint": str(latest_checkpoint(layout.checkpoints)), "final_dir": str(layout.final)}
     if run.dist.rank == 0:
         summary["target"] = target_fingerprint(target_path(run.params))  # checked by export and eval
@@ -583,7 +585,8 @@ def train_metrics(summary: dict, history: list, train_params: TrainParams) -> di
             "eval_acceptance_estimate": rounded(ev.get("acceptance_estimate")),
             "eval_acceptance_replayed": rounded(ev.get("acceptance_replayed")),
             "train_tokens_per_s": rounded(speed[-1] if speed else None, 1),
-            "ttt_steps": train_params.ttt_steps, "dtype": train_params.dtype, "world_size": summary["world_size"],
+            "ttt_steps": train_params.ttt_steps, "draft_layers": train_params.draft_layers,
+            "dtype": train_params.dtype, "world_size": summary["world_size"],
             "final_dir": summary["final_dir"]}
 
 

@@ -27,7 +27,8 @@ from eagle3lib.target import load_target_tensors
 CHOICES = [dict(norm_before_residual=True),
            dict(norm_before_residual=False, norm_before_fc=True),
            dict(norm_before_residual=False, next_step_hidden="post_norm"),
-           dict(norm_before_residual=True, rope_scaling={"rope_type": "linear", "factor": 2.0})]
+           dict(norm_before_residual=True, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+           dict(norm_before_residual=False, num_hidden_layers=3)]
 
 
 def make_drafter(target_dir, draft_vocab_size, seed=0, **choices) -> Eagle3Drafter:
@@ -93,6 +94,28 @@ def test_weights_file_holds_what_vllm_loads(tiny_target_dir, tmp_path):
     assert d2t.dtype == torch.int64 and d2t.shape == (512,)
     assert t2d.dtype == torch.bool and t2d.shape == (model.config.vocab_size,)
     assert torch.equal(torch.arange(512) + d2t, t2d.nonzero().flatten())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_multi_layer_export_uses_vllms_layer_names(tiny_target_dir, tmp_path, layout):
+    """Two layers: layers.0.* (layer 0, 2H inputs) and layers.1.* (H inputs) as vLLM's llama_eagle3
+    names them, num_hidden_layers 2 in the config, the unused layers.1.hidden_norm written as ones."""
+    model = make_drafter(tiny_target_dir, 512, num_hidden_layers=2)
+    H = model.config.hidden_size
+    out = export_vllm(model, tmp_path / "export", tiny_target_dir, layout=layout)
+    weights = load_file(str(out / "model.safetensors"))
+    layer_names = {f"{n}.weight" for n in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
+                                          "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "hidden_norm")}
+    assert set(weights) == {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {
+        f"layers.{i}.{n}" for i in (0, 1) for n in layer_names}
+    assert weights["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * H
+    assert weights["layers.1.self_attn.q_proj.weight"].shape[1] == H
+    assert torch.equal(weights["layers.1.hidden_norm.weight"], torch.ones(H))
+    assert torch.equal(weights["layers.1.mlp.up_proj.weight"], model.later_layers[0].mlp.up_proj.weight)
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg.get("transformer_layer_config") or cfg)["num_hidden_layers"] == 2
+    assert load_export(out, tiny_target_dir).config.num_hidden_layers == 2
 
 
 @pytest.mark.parametrize("norm_before_residual", [True, False])

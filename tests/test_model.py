@@ -77,6 +77,7 @@ def naive_ttt_logits(model: Eagle3Drafter, aux, input_ids, ttt_steps, step_advan
             logits, hidden = model(hidden, tok, torch.full((B, 1), pos_j), cache)
             out[j][:, t] = logits[:, -1]
         assert cache.length == t + ttt_steps
+        assert len(cache.k) == model.config.num_hidden_layers         # every layer cached its keys
     return out
 
 
@@ -86,7 +87,7 @@ def test_parallel_ttt_equals_naive_inference_loop(norm_before_residual, ttt_step
     seed = ttt_steps * 10 + int(norm_before_residual)
     cfg = small_config(seed, norm_before_residual,
                        next_step_hidden="pre_norm" if ttt_steps % 2 else "post_norm",
-                       norm_before_fc=ttt_steps == 3)
+                       norm_before_fc=ttt_steps == 3, num_hidden_layers=1 if norm_before_residual else 2)
     model = random_drafter(cfg, seed)
     B, T = 2, 11
     torch.manual_seed(seed + 1)
@@ -117,12 +118,15 @@ def _weighted_logit_sum(logits: list, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", ATTENTION_IMPLS)
-def test_every_attention_formulation_matches_the_naive_unroll_forward_and_gradients(impl, device):
+@pytest.mark.parametrize("layers", [1, 3])
+def test_every_attention_formulation_matches_the_naive_unroll_forward_and_gradients(impl, device, layers):
     """GQA (4 query heads on 2 kv heads), fp32, T=11 with query blocks of 4 (3 blocks, the last one
     short) for "chunked": logits and the gradients of every parameter and of aux equal the naive
-    inference loop's. flex on CPU runs PyTorch's eager reference (forward only: no CPU backward);
-    head_dim 16: compiled flex (CUDA) refuses head dims under 16."""
-    cfg = small_config(3, True, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    inference loop's, for a one-layer and a three-layer drafter. flex on CPU runs PyTorch's eager
+    reference (forward only: no CPU backward); head_dim 16: compiled flex (CUDA) refuses head dims
+    under 16."""
+    cfg = small_config(3, True, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       num_hidden_layers=layers)
     model = random_drafter(cfg, 3)
     J, B, T = 4, 2, 11
     torch.manual_seed(4)
@@ -134,6 +138,7 @@ def test_every_attention_formulation_matches_the_naive_unroll_forward_and_gradie
     _weighted_logit_sum(naive, 7).backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     assert "midlayer.self_attn.k_proj.weight" in ref_grads and "fc.weight" in ref_grads
+    assert all(f"later_layers.{i}.self_attn.k_proj.weight" in ref_grads for i in range(layers - 1))
 
     model = model.to(device)
     model.zero_grad()
@@ -233,8 +238,24 @@ def test_parameter_names_follow_vllm():
     assert not Eagle3Drafter(cfg).embed_tokens.weight.requires_grad
 
 
-def test_draft_to_target_and_cache_crop():
-    cfg = small_config(1, True)
+def test_later_layers_are_plain_llama_layers_over_the_hidden_width():
+    """Layers after the first read H (no embedding half, no hidden_norm), as vLLM's layers.1.. do."""
+    cfg = small_config(0, True, num_hidden_layers=3)
+    sd = Eagle3Drafter(cfg).state_dict()
+    H = cfg.hidden_size
+    later = {k for k in sd if k.startswith("later_layers.")}
+    assert later == {f"later_layers.{i}.{n}.weight" for i in (0, 1) for n in (
+        "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+        "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    assert sd["later_layers.1.self_attn.q_proj.weight"].shape == (cfg.num_attention_heads * cfg.head_dim, H)
+    assert sd["midlayer.self_attn.q_proj.weight"].shape == (cfg.num_attention_heads * cfg.head_dim, 2 * H)
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        small_config(0, True, num_hidden_layers=0)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_draft_to_target_and_cache_crop(layers):
+    cfg = small_config(1, True, num_hidden_layers=layers)
     model = random_drafter(cfg, 1)
     ids = torch.arange(cfg.draft_vocab_size)
     tgt = model.draft_to_target(ids)

@@ -51,6 +51,8 @@ def test_inheritance_only_overrides_stated_keys():
     ("extract: {dtype: auto}", "extract.dtype"),                       # the cache dtype is never guessed
     ("eval: {dtype: auto}", "eval.dtype"),
     ("train: {ttt_steps: 0}", "train.ttt_steps"),
+    ("train: {draft_layers: 0}", "train.draft_layers"),
+    ("train: {draft_layers: 1.5}", "train.draft_layers"),
     ("train: {feature_noise: -0.1}", "train.feature_noise"),
     ("train: {freeze_lm_head: true, init_lm_head: false}", "train.freeze_lm_head"),
     ("train: {norm_before_fc: true}", "train.fc_input_scaling"),

@@ -133,3 +133,28 @@ def test_a_recipe_variant_of_a_point_lives_in_its_own_folder_and_changes_only_th
         sc.train_point(params, layout, 2000, variant="lk_hybrid")
     with pytest.raises(ValueError, match="a variant needs both"):
         sc.train_point(params, layout, 2000, loss="lk")
+
+
+def test_the_minutes_curve_charges_each_point_its_share_of_02_and_03_plus_its_training(tmp_path):
+    import pandas as pd
+
+    from eagle3lib.evaluate import ngram_name
+    from eagle3lib.files import update_metrics
+    params = load_params("params/local.yaml")
+    layout = RunLayout(tmp_path / "run")
+    layout.root.mkdir(parents=True)
+    update_metrics(layout.root, "runner", {"stage_seconds": {"data": 480.0, "extract": 360.0, "train": 999.0}})
+    table = pd.DataFrame({"chats": [500, 2000], "train_s": [120.0, 600.0]})
+    vllm_table = pd.DataFrame({"method": ["eagle3_n500_k2", "eagle3_n2000_k2"], "chats": [500, 2000],
+                               "tokens_per_s": [25.0, 33.0], "acceptance_length": [1.5, 1.8]})
+    ngram = ngram_name(*sc.ngram_setting(params))
+    summary = pd.concat([vllm_table.drop(columns="chats"),
+                         pd.DataFrame({"method": ["plain", ngram], "tokens_per_s": [20.0, 30.0],
+                                       "acceptance_length": [1.0, 1.8]})])
+    curve = sc.minutes_curve(params, layout, table, vllm_table, summary, cached_chats=2000)
+    # 500 of 2,000 chats: a quarter of 02 + 03 (840 s) plus its 120 s of training
+    assert curve["minutes"].tolist() == pytest.approx([(210 + 120) / 60, (840 + 600) / 60])
+    assert curve["vs_ngram"].tolist() == pytest.approx([25 / 30, 33 / 30])
+    assert sc.plot_minutes(curve).axes[0].get_ylabel().startswith("EAGLE-3 / n-gram")
+    with pytest.raises(ValueError, match="n-gram beside the points"):
+        sc.minutes_curve(params, layout, table, vllm_table, summary[summary["method"] != ngram], 2000)

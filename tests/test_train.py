@@ -444,7 +444,8 @@ def test_resume_after_sigkill_reaches_the_uninterrupted_weights(tmp_path, sharp_
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_process_training_matches_single_process_with_the_same_global_batch(tmp_path, sharp_target_dir, mode):
-    common = {"max_steps": 4, "resume": False, "checkpoint_every": 100}
+    """FSDP runs a two-layer drafter (one FSDP unit per decoder layer), DDP the default one layer."""
+    common = {"max_steps": 4, "resume": False, "checkpoint_every": 100, "draft_layers": 2 if mode == "fsdp" else 1}
     single = make_run(tmp_path / "single", sharp_target_dir, {**common, "grad_accum": 2})
     dual = make_run(tmp_path / "dual", sharp_target_dir, {**common, "grad_accum": 1, "distributed": mode, "nproc": 2})
     train(load_params(single), load_params(single).run_dir(), progress=False)
@@ -518,7 +519,7 @@ def test_design_choices_are_wired_and_the_time_budget_stops_cleanly(tmp_path, sh
     choices = {"norm_before_residual": False, "norm_before_fc": True, "fc_input_scaling": False,
                "next_step_hidden": "post_norm",
                "init_lm_head": True, "freeze_lm_head": True, "loss_average": "all", "label_positions": "all",
-               "optimizer": "muon",
+               "optimizer": "muon", "draft_layers": 2,
                "feature_noise": 0.3,
                "decay": 0.5, "max_steps": 50, "time_budget_minutes": 1e-4, "resume": False}
     path = make_run(tmp_path, sharp_target_dir, choices)
@@ -530,6 +531,7 @@ def test_design_choices_are_wired_and_the_time_budget_stops_cleanly(tmp_path, sh
     assert (cfg["norm_before_residual"], cfg["norm_before_fc"], cfg["next_step_hidden"]) == (False, True, "post_norm")
     weights = load_file(str(final / "model.safetensors"))
     assert "input_norm.weight" in weights                                     # norm_before_fc
+    assert cfg["num_hidden_layers"] == 2 and "later_layers.0.mlp.up_proj.weight" in weights   # draft_layers
     d2t, _ = load_vocab(params.run_dir() / "data" / "vocab.safetensors")
     head = load_target_tensors(sharp_target_dir, ("lm_head",))["lm_head"]
     ids = torch.arange(len(d2t)) + d2t

