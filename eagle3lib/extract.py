@@ -3,6 +3,7 @@ token, what the drafter trains on -- the inputs of three auxiliary decoder layer
 (post-norm) state -- in the cache that cache.py defines and reads.
 
     summary = extract_hidden_states(params, params.layout(), "train")  # writes layout.hidden("train")
+    summaries = extract_splits(params, params.layout(), ("train", "eval"))  # one backend start for both
 
 Layer id k is the hidden state entering decoder layer k (`output_hidden_states[k]`, 0 = the
 embedding output). A backend turns one forward batch of token rows into aux [n, 3, H] and final
@@ -369,13 +370,46 @@ BACKENDS = {"hf": open_hf_backend, "vllm": open_vllm_backend}
 
 
 # ---- the stage ------------------------------------------------------------------------------
+class SharedBackend:
+    """One extraction backend for several extract_hidden_states calls (03's train and eval splits:
+    one engine start, not one per split): opened by the first call with shards to compute, closed
+    when the `with` block ends."""
+
+    def __init__(self):
+        self.backend = None
+
+    def get(self, params: Params, path, dist, model):
+        if self.backend is None:
+            self.backend = BACKENDS[params.extract.backend](params, path, dist, model)
+        return self.backend
+
+    def close(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
+
+    def __enter__(self) -> "SharedBackend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def extract_splits(params: Params, run, splits, model=None, progress: bool = True) -> dict:
+    """extract_hidden_states for each split, all through one backend start -> {split: summary}."""
+    with SharedBackend() as shared:
+        return {split: extract_hidden_states(params, run, split, model=model, progress=progress, shared=shared)
+                for split in splits}
+
+
 def extract_hidden_states(params: Params, run, split: str = "train", model=None, progress: bool = True,
-                          dataset: Optional[Dataset] = None) -> dict:
+                          dataset: Optional[Dataset] = None, shared: Optional[SharedBackend] = None) -> dict:
     """Write the cache `layout.hidden(split)` (see cache.py); returns a summary dict.
 
     run: the run's RunLayout (or its folder, outputs/<run>).
     model: an already loaded AutoModelForCausalLM (default: load target_path(params) in params.target.dtype).
     dataset: a processed `datasets.Dataset` (default: the data stage's `layout.data_split(split)`).
+    shared: a SharedBackend to take the backend from (and leave open); default: start one and close it.
     Under torchrun (WORLD_SIZE > 1) every rank calls this; rank r writes shards r, r+W, ...
     """
     if params.extract.backend not in BACKENDS:
@@ -399,7 +433,9 @@ def extract_hidden_states(params: Params, run, split: str = "train", model=None,
         mine, done, todo = _resume(out_dir, ident, plans, dist)
         header, elapsed = None, 0.0
         if todo:
-            backend = BACKENDS[params.extract.backend](params, path, dist, model)
+            own = shared is None
+            backend = BACKENDS[params.extract.backend](params, path, dist, model) if own else \
+                shared.get(params, path, dist, model)
             try:
                 header = _header(ident, backend, path, params.extract.dtype, scan, split)
                 start = time.perf_counter()
@@ -409,7 +445,8 @@ def extract_hidden_states(params: Params, run, split: str = "train", model=None,
                         and hasattr(backend, "top2")):
                     save_top2_reference(out_dir, backend, fidelity_rows(ds))     # same engine start
             finally:
-                backend.close()
+                if own:
+                    backend.close()
         manifest = _merge(out_dir, header, done, plans, dist)
         # The cache's one verification (train.verify_cache), split over the writers: it records
         # verified.json, so 04 and any rerun of this stage read no shard again while it holds.
