@@ -43,7 +43,14 @@ from .params import (
     regen_cap_problem,
     warmup_problem,
 )
-from .stage_times import KNOWN_CHECKPOINT_BYTES, Workload, drafter_flops_per_token, host_for, stage_seconds
+from .stage_times import (
+    KNOWN_CHECKPOINT_BYTES,
+    Workload,
+    drafter_flops_per_token,
+    drafter_layers_params,
+    host_for,
+    stage_seconds,
+)
 from .stats import DataStats
 from .stats import load_stats as load_data_stats
 
@@ -98,12 +105,8 @@ def target_shape(p: Params) -> Shape:
 def drafter_params(shape: Shape, draft_vocab: int, layers: int = 1) -> float:
     """Trainable parameters of the drafter (fc, layer 0 with attention on 2H, later layers with
     attention on H, SwiGLU MLPs, lm_head)."""
-    h, i = shape.hidden_size, shape.intermediate_size
-    fc = 3 * h * h
-    attn = 2 * h * h * 2 + 2 * h * h // 2 + h * h  # q and k/v (kv heads <= heads) on 2H, o_proj
-    later_attn = h * h + h * h // 2 + h * h       # the same on H
-    mlp = 3 * h * i
-    return fc + attn + mlp + (layers - 1) * (later_attn + mlp) + draft_vocab * h
+    h = shape.hidden_size
+    return 3 * h * h + drafter_layers_params(h, shape.intermediate_size, layers) + draft_vocab * h
 
 
 def checkpoint_bytes(p: Params, shape: Shape) -> tuple[float, str]:

@@ -194,9 +194,10 @@ def minutes_curve(params: Params, layout: RunLayout, table: pd.DataFrame, vllm_t
     shows 0).
     vllm_table: the study's eagle3 rows with their chats; vllm_summary: the run's whole summary,
     which holds the n-gram row."""
-    ngram = vllm_summary.loc[vllm_summary["method"] == ev.ngram_name(*ngram_setting(params))]
+    ngram_method = ev.ngram_name(*ngram_setting(params))
+    ngram = vllm_summary.loc[vllm_summary["method"] == ngram_method]
     if len(ngram) != 1:
-        raise ValueError(f"the vLLM summary has no single {ev.ngram_name(*ngram_setting(params))} row "
+        raise ValueError(f"the vLLM summary has no single {ngram_method} row "
                          "(vllm_compare runs n-gram beside the points)")
     ngram_tps = float(ngram["tokens_per_s"].iloc[0])
     stage_seconds = read_metrics(layout.metrics).get("runner", {}).get("stage_seconds", {})
@@ -204,10 +205,10 @@ def minutes_curve(params: Params, layout: RunLayout, table: pd.DataFrame, vllm_t
     by_chats = vllm_table.set_index("chats")
     rows = []
     for row in table.itertuples():
-        share = upstream_s * row.chats / cached_chats
+        share, train_s = upstream_s * row.chats / cached_chats, row.train_s or 0.0
         eagle = by_chats.loc[row.chats]
-        rows.append({"chats": int(row.chats), "data_minutes": share / 60, "train_minutes": (row.train_s or 0.0) / 60,
-                     "minutes": (share + (row.train_s or 0.0)) / 60,
+        rows.append({"chats": int(row.chats), "data_minutes": share / 60, "train_minutes": train_s / 60,
+                     "minutes": (share + train_s) / 60,
                      "eagle3_tokens_per_s": float(eagle["tokens_per_s"]), "ngram_tokens_per_s": ngram_tps,
                      "vs_ngram": float(eagle["tokens_per_s"]) / ngram_tps,
                      "acceptance_length": float(eagle["acceptance_length"])})

@@ -310,15 +310,23 @@ def train_rate(p: Params, host: Host, work: Workload) -> tuple[float, str]:
     return rate, f"{basis}; scaled by the drafter's FLOPs per token and train.dtype ({train_params.dtype})"
 
 
+def drafter_layers_params(h: int, intermediate: int, layers: int = 1) -> int:
+    """Weights of the drafter's decoder layers: layer 0 with q and k/v (kv heads <= heads) on 2H
+    and o_proj, later layers the same on H, each with a SwiGLU MLP of `intermediate`."""
+    first = 2 * h * h * 2 + 2 * h * h // 2 + h * h
+    later = h * h + h * h // 2 + h * h
+    mlp = 3 * h * intermediate
+    return first + mlp + (layers - 1) * (later + mlp)
+
+
 def drafter_flops_per_token(shape: dict, ttt_steps: Optional[int] = None) -> float:
     """Training FLOPs per token of the drafter (6 x parameters per TTT step, plus the target head's
     labels over the draft vocabulary); shape: hidden_size, draft_vocab_size, ttt_steps and
     optionally draft_layers (1)."""
     h, dv = shape["hidden_size"], shape["draft_vocab_size"]
     steps = ttt_steps or shape["ttt_steps"]
-    layer = 3 * h * h + 2 * h * h * 2 + 2 * h * h // 2 + h * h + 3 * h * (8 * h // 3) + dv * h
-    later = h * h + h * h // 2 + h * h + 3 * h * (8 * h // 3)
-    return steps * 6 * (layer + (shape.get("draft_layers", 1) - 1) * later) + 2 * dv * h
+    weights = 3 * h * h + drafter_layers_params(h, 8 * h // 3, shape.get("draft_layers", 1)) + dv * h
+    return steps * 6 * weights + 2 * dv * h
 
 
 # ---- the stages --------------------------------------------------------------------------------
