@@ -87,10 +87,15 @@ GPU_SPEC_SPEEDUP = 1.5           # assumed: speculative modes vs plain decoding 
 # worker, the parent process reads them back and writes the shard, and the writer hashes it.
 CONNECTOR_WRITE_BYTES_PER_S = 1.5e9   # assumed: one synchronous safetensors save stream
 PARENT_COPY_BYTES_PER_S = 1.0e9       # assumed: one process reading and re-writing the states
-HASH_BYTES_PER_S = 1.0e9              # assumed: one sha256 stream
-# Verification of the caches at the end of 03 (cache.verify_cache): seconds per GB of one hashing
-# process. assumed until bench/verify.py is measured (NOTES.md).
-VERIFY_SECONDS_PER_GB = 1.0
+# One sha256 stream over shards in the page cache: measured on the 2-core avx512_bf16 CPU
+# (bench/verify.py --synthetic-gb 4, 2026-12-07: 1.28 GB/s on 1 thread, 2.69 GB/s on 2; NOTES.md).
+HASH_BYTES_PER_S = 1.28e9
+HASH_BASIS = "measured (1.28 GB/s per sha256 thread, bench/verify.py on the 2-core CPU, 2026-12-07)"
+# Verification of the caches at the end of 03 (cache.verify_cache): sha256 on up to VERIFY_THREADS
+# threads per process (cache.hash_problems; hashlib releases the GIL). On this CPU the cache was just
+# written and is read from the page cache; on a GPU box it is not, and the threads share the disk.
+VERIFY_THREADS = 8
+BOX_CACHE_READ_BYTES_PER_S = 5e9      # assumed: the cache disk's read rate on a GPU node (NVMe)
 # A vLLM engine start on GPUs: fixed (processes, TP/EP groups, profiling run, CUDA graphs unless
 # enforce_eager) plus the checkpoint read.
 ENGINE_FIXED_S = 120.0           # assumed
@@ -387,18 +392,29 @@ def regen_rate(p: Params, work: Workload, host: Host, backend: str, measured: di
 
 def extract_stage(p: Params, work: Workload, host: Host, stage: Stage, measured: dict) -> None:
     extract_compute(p, work, host, stage, measured)
-    verify_part(p, work, stage)
+    verify_part(p, work, host, stage)
 
 
-def verify_part(p: Params, work: Workload, stage: Stage) -> None:
+def verify_seconds(gb: float, procs: int, host: Host) -> tuple[float, str]:
+    """Seconds to hash `gb` GB over `procs` processes of up to VERIFY_THREADS threads each: the
+    measured per-thread rate, capped on a GPU box by the disk's read rate (assumed)."""
+    threads = procs * (VERIFY_THREADS if host.gpus else min(VERIFY_THREADS, os.cpu_count() or 1))
+    hash_rate = threads * HASH_BYTES_PER_S
+    basis = f"{HASH_BASIS}; {threads} threads"
+    if host.gpus and BOX_CACHE_READ_BYTES_PER_S < hash_rate:
+        return gb * 1e9 / BOX_CACHE_READ_BYTES_PER_S, \
+            f"{basis}, bound by the disk: assumed {BOX_CACHE_READ_BYTES_PER_S / 1e9:g} GB/s read"
+    return gb * 1e9 / hash_rate, basis + (", page cache (the cache was just written)" if not host.gpus else "")
+
+
+def verify_part(p: Params, work: Workload, host: Host, stage: Stage) -> None:
     """03 ends with the cache's one verification (train.verify_cache), split over its writers
     (extract.nproc); 04 then finds it verified and reads no shard."""
     share, how = verify_share(p)
     if share:
         gb, procs = work.cache_bytes / 1e9 * share, p.extract.nproc
         stage.add(f"verify the cache ({how}, {gb:,.1f} GB over {procs} process{'es' if procs > 1 else ''})",
-                  gb * VERIFY_SECONDS_PER_GB / procs,
-                  f"assumed ({VERIFY_SECONDS_PER_GB} s/GB per hashing process until bench/verify.py is measured)")
+                  *verify_seconds(gb, procs, host))
 
 
 def extract_compute(p: Params, work: Workload, host: Host, stage: Stage, measured: dict) -> None:
@@ -429,8 +445,7 @@ def extract_compute(p: Params, work: Workload, host: Host, stage: Stage, measure
                       f"assumed ({CONNECTOR_WRITE_BYTES_PER_S / 1e9:g} GB/s)")
             stage.add(f"parent re-reads and re-writes {gb:,.0f} GB", work.cache_bytes / PARENT_COPY_BYTES_PER_S,
                       f"assumed ({PARENT_COPY_BYTES_PER_S / 1e9:g} GB/s, one process)")
-        stage.add(f"writer's sha256 of {gb:,.0f} GB", work.cache_bytes / HASH_BYTES_PER_S,
-                  f"assumed ({HASH_BYTES_PER_S / 1e9:g} GB/s, one stream)")
+        stage.add(f"writer's sha256 of {gb:,.0f} GB", work.cache_bytes / HASH_BYTES_PER_S, HASH_BASIS + ", one stream")
         seconds = sum(q.seconds for q in stage.parts[-4 if vllm else -2:])
         stage.rate = ("extract", work.extract_tokens / seconds,
                       "; ".join(q.basis for q in stage.parts[-4 if vllm else -2:]), seconds)
