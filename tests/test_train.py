@@ -480,6 +480,7 @@ run = setup(params, RunLayout(params.run_dir()), dist, torch.device("cpu"))
 out = {"eval": heldout_eval(run), "forwards": len(run.eval_batches), "mine": len(run.eval_batches.batches)}
 with open(sys.argv[2] + f".{dist.rank}.json", "w") as f:
     json.dump(out, f)
+dist.barrier()   # both ranks done before the group is destroyed (seen once: rank 1 aborted in a lone teardown)
 dist.close()
 """
 
