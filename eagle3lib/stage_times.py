@@ -90,7 +90,8 @@ PARENT_COPY_BYTES_PER_S = 1.0e9       # assumed: one process reading and re-writ
 # One sha256 stream over shards in the page cache: measured on the 2-core avx512_bf16 CPU
 # (bench/verify.py --synthetic-gb 4, 2026-12-07: 1.28 GB/s on 1 thread, 2.69 GB/s on 2; NOTES.md).
 HASH_BYTES_PER_S = 1.28e9
-HASH_BASIS = "measured (1.28 GB/s per sha256 thread, bench/verify.py on the 2-core CPU, 2026-12-07)"
+HASH_BASIS = (f"measured ({HASH_BYTES_PER_S / 1e9:g} GB/s per sha256 thread, bench/verify.py on the 2-core CPU, "
+              "2026-12-07)")
 # Verification of the caches at the end of 03 (cache.verify_cache): sha256 on up to VERIFY_THREADS
 # threads per process (cache.hash_problems; hashlib releases the GIL). On this CPU the cache was just
 # written and is read from the page cache; on a GPU box it is not, and the threads share the disk.
