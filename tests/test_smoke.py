@@ -1,6 +1,7 @@
 """`eagle3 run --smoke`: the smoke slice of every shipped profile changes only sizes and takes the
-same branches as the profile (params level, fast); the ci and mini-kimi smoke runs complete through
-the CLI and leave stage times beside the plan's figures, and a resumed training leg, in metrics.json."""
+same branches as the profile (params level, fast); the ci smoke run completes through the CLI and
+leaves stage times beside the plan's figures, and a resumed training leg, in metrics.json. The
+mini-kimi smoke run is test_kimi_pipeline's shared run (the big box's path, checked stage by stage)."""
 from __future__ import annotations
 
 import dataclasses
@@ -175,34 +176,6 @@ def test_ci_smoke_run_completes_with_stage_times_and_the_plan(tmp_path):
     r, metrics = run_cli_smoke(profile, only="data,extract,train")
     check_smoke_metrics(metrics, full_steps=12, fmt="safetensors", stages=["data", "extract", "train", "train-resume"])
     assert "plan (full run)" in r.stdout and "resume: safetensors checkpoint of step 6 -> step 12" in r.stdout
-
-
-@pytest.fixture(scope="module")
-def kimi_dir(tmp_path_factory, smollm2_dir) -> Path:
-    from eagle3lib.tiny_targets import build_mini_kimi
-    return build_mini_kimi(tmp_path_factory.mktemp("models") / "mini-kimi", smollm2_dir)
-
-
-@pytest.mark.vllm
-def test_mini_kimi_smoke_run_completes_with_two_process_dcp_resume(tmp_path, kimi_dir):
-    """The stages the slice changes, on the Kimi-architecture target as params/mini-kimi.yaml ships
-    (offline): vLLM regeneration, both splits cached by one vLLM engine with 03's vLLM fidelity check,
-    2 torchrun processes (FSDP) resumed from a DCP checkpoint to bit-equal weights. (01 and 05 on
-    mini-kimi run in `eagle3 run --params params/mini-kimi.yaml`, NOTES.md's measurements; the
-    notebooks' route is nbval's on ci. Online mode on this target: test_kimi_pipeline's served
-    states; online training resumed with a fresh server: test_online's two-rank test; the smoke
-    run's online tolerance: legs_match below. Cut here to keep `make test` under 30 minutes.)"""
-    profile = write_profile(tmp_path, "mini-kimi.yaml", target={"path": str(kimi_dir)})
-    _, metrics = run_cli_smoke(profile, only="data,extract,train")
-    check_smoke_metrics(metrics, full_steps=20, fmt="dcp", stages=["data", "extract", "train", "train-resume"])
-    assert metrics["smoke"]["resume"]["final_weights_equal"] is True                    # offline: bit for bit
-    assert metrics["smoke"]["branches"]["extraction"]["backend"] == "vllm"
-    assert metrics["smoke"]["branches"]["extraction"]["mode"] == "offline" == metrics["extract"]["mode"]
-    assert metrics["extract"]["fidelity"] == "vllm" and metrics["extract"]["fidelity_skip_reason"] is None
-    assert metrics["smoke"]["branches"]["regeneration"] == "vllm"
-    assert metrics["train"]["world_size"] == 2
-    run = load_params(profile).run_dir().parent / "t-smoke"
-    assert list((run / "hidden" / "train").glob("shard-*.safetensors"))
 
 
 def test_the_resumed_leg_matches_bit_for_bit_offline_and_within_the_tolerance_online():
