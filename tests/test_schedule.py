@@ -121,8 +121,9 @@ def test_every_scaling_point_leaves_warmup(name):
 
 
 def test_a_point_keeps_the_main_runs_warmup_share():
-    local = load_params("params/local.yaml")             # 20 warmup steps of max_steps 1,250
-    assert sc.point_warmup_fraction(local.train) == pytest.approx(20 / 1250)
+    local = load_params("params/local.yaml")             # warmup_steps of max_steps (20 of 1,700)
+    assert local.train.warmup_steps and local.train.max_steps
+    assert sc.point_warmup_fraction(local.train) == pytest.approx(local.train.warmup_steps / local.train.max_steps)
     b300 = load_params("params/b300.yaml")
     assert sc.point_params(b300, 6250).train.warmup_fraction == b300.train.warmup_fraction
     long = load_params("params/local-long.yaml")         # epochs, no max_steps: the main run's steps are needed
