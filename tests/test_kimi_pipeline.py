@@ -43,8 +43,6 @@ from eagle3lib.tiny_targets import MINI_KIMI_SHAPE, build_mini_kimi
 
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def kimi_dir(tmp_path_factory, smollm2_dir) -> Path:
@@ -67,7 +65,7 @@ def _refuse(*args, **kwargs):
 for _cls in (transformers.PreTrainedModel, transformers.AutoModel, transformers.AutoModelForCausalLM,
              transformers.AutoModelForImageTextToText):
     _cls.from_pretrained = classmethod(_refuse)
-eagle3lib.engine.cpu_flags = lambda: set({flags!r})
+eagle3lib.engine.cpu_flags = lambda: {flags!r}
 with open("/proc/self/cmdline") as _c, open({log!r}, "a") as _f:
     _f.write(f"{{os.getpid()}} {{' '.join(_c.read().split(chr(0))[:4])}}\\n")
 """
@@ -78,7 +76,7 @@ def refuse_model_loading(mp: pytest.MonkeyPatch, folder: Path) -> Path:
     flags are seen there); returns the shim's log."""
     folder.mkdir(parents=True, exist_ok=True)
     log = folder / "patched-processes.txt"
-    (folder / "sitecustomize.py").write_text(SHIM.format(message=NO_HF_LOAD, flags=sorted(AMX_FLAGS), log=str(log)))
+    (folder / "sitecustomize.py").write_text(SHIM.format(message=NO_HF_LOAD, flags=AMX_FLAGS, log=str(log)))
     mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
     return log
 
@@ -106,7 +104,7 @@ def test_the_smoke_run_completes_with_two_process_dcp_resume(run):
     branches = metrics["smoke"]["branches"]
     assert branches["extraction"]["backend"] == "vllm" and branches["regeneration"] == "vllm"
     assert branches["extraction"]["mode"] == "offline" == metrics["extract"]["mode"]
-    assert list(params.layout().hidden("train").glob("shard-*.safetensors"))
+    assert all(list(params.layout().hidden(split).glob("shard-*.safetensors")) for split in ("train", "eval"))
 
 
 def test_stages_ran_without_transformers_model_loading_and_with_the_amx_backend(run, monkeypatch):
