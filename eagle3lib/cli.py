@@ -25,7 +25,9 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="execute the notebooks in order with papermill")
     run.add_argument("--params", required=True)
-    run.add_argument("--only", default=None, help="comma-separated stages: research,ngram,data,extract,train,eval")
+    run.add_argument("--only", default=None,
+                     help="comma-separated stages: research,ngram,data,extract,train,eval (a full run), "
+                          "scaling (06, a study a full run leaves out)")
     run.add_argument("--run-name", default=None,
                      help="folder under outputs/ (letters, digits, '.', '-', '_'; default: the profile's run_name)")
     run.add_argument("--no-html", action="store_true")

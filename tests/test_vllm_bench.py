@@ -1,12 +1,17 @@
 """vllm_bench's spec and result dataclasses: the JSON the parent and the child exchange keeps its
 shape (the keys metrics.json and the notebooks read), and a malformed file is refused with an error
-naming the bad field. No vLLM run here (test_vllm.py, test_vllm_breadth.py run it)."""
+naming the bad field; bench/engine_spread.py's rounds. No vLLM run here (test_vllm.py,
+test_vllm_breadth.py run it)."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import types
 
+import pandas as pd
 import pytest
 
+from eagle3lib.params import repo_root
 from eagle3lib.vllm_bench import BenchResult, BenchSpec, GroupSpec, ModeSpec, mode
 
 
@@ -92,3 +97,32 @@ def test_a_malformed_result_names_the_bad_field(change, message):
     change(data)
     with pytest.raises(ValueError, match=message):
         BenchResult.from_json(data)
+
+
+def load_engine_spread():
+    """bench/engine_spread.py, imported by path (bench/ is not a package)."""
+    spec_ = importlib.util.spec_from_file_location("engine_spread", repo_root() / "bench" / "engine_spread.py")
+    module = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(module)
+    return module
+
+
+def test_engine_spread_rotates_the_order_and_computes_each_rounds_ratio():
+    bench = load_engine_spread()
+    params = types.SimpleNamespace(eval=types.SimpleNamespace(prompt_lookup_min=1, prompt_lookup_max=4))
+    modes = bench.round_modes(params, "/x/export", 2, 3)
+    assert [m.name for m in modes] == ["plain_r1", "ngram_r1", "eagle3_r1", "ngram_r2", "eagle3_r2", "plain_r2",
+                                       "eagle3_r3", "plain_r3", "ngram_r3"]
+    assert {m.k for m in modes if m.method != "plain"} == {2}
+    # round 1: EAGLE-3 1.5x n-gram; round 2 (reordered): one EAGLE-3 output differs from plain
+    rows = [("plain_r1", 10.0, 1.0, "20/20"), ("ngram_r1", 12.0, 1.8, "20/20"), ("eagle3_r1", 18.0, 1.8, "20/20"),
+            ("ngram_r2", 15.0, 1.8, "20/20"), ("eagle3_r2", 15.0, 1.8, "19/20"), ("plain_r2", 10.0, 1.0, "20/20")]
+    summary = pd.DataFrame([{"method": n, "tokens_per_s": t, "acceptance_length": a, "same_output_as_plain": s,
+                             "prompts": 20} for n, t, a, s in rows])
+    out = bench.round_rows(summary, 2)
+    assert out[0]["order"] == ["plain_r1", "ngram_r1", "eagle3_r1"]
+    assert out[1]["order"] == ["ngram_r2", "eagle3_r2", "plain_r2"]
+    assert out[0]["eagle3_vs_ngram"] == pytest.approx(1.5) and out[1]["eagle3_vs_ngram"] == pytest.approx(1.0)
+    assert out[0]["eagle3_round_cost"] == pytest.approx(1.8 * 10 / 18)
+    assert out[0]["ngram_round_cost"] == pytest.approx(1.5)
+    assert out[0]["lossless"] is True and out[1]["lossless"] is False
