@@ -24,9 +24,8 @@ import time
 from pathlib import Path
 
 from eagle3lib import evaluate as ev
-from eagle3lib.params import load_params, repo_root
+from eagle3lib.params import repo_root
 from eagle3lib.report import git_commit, machine_info
-from eagle3lib.target import load_tokenizer, target_path
 from eagle3lib.vllm_bench import mode
 
 METHODS = ("plain", "ngram", "eagle3")
@@ -85,15 +84,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
-    params = load_params(args.params)
-    layout = params.layout(args.run)
-    export_dir = Path(args.export).resolve() if args.export else layout.export
-    if not (export_dir / "config.json").is_file():
-        raise SystemExit(f"{export_dir}: no export; run 05_eval first "
-                         f"(eagle3 run --params {args.params} --only eval)")
-    tdir = target_path(params)
-    prompts, skipped = ev.eval_prompts(params, layout.root, load_tokenizer(tdir, params.target.trust_remote_code))
-    prompts = prompts[:args.prompts or params.eval.vllm_prompts or params.eval.num_prompts]
+    try:
+        run = ev.bench_run(args.params, args.run, args.export, args.prompts)
+    except FileNotFoundError as err:
+        raise SystemExit(str(err)) from None
+    params, layout, export_dir, tdir, prompts = run.params, run.layout, run.export_dir, run.target_dir, run.prompts
     k = params.eval.k
     t0 = time.time()
     summary, raw = ev.run_vllm_eval(params, tdir, prompts, round_modes(params, export_dir, k, args.rounds),

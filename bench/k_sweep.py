@@ -19,9 +19,8 @@ import time
 from pathlib import Path
 
 from eagle3lib import evaluate as ev
-from eagle3lib.params import load_params, repo_root
+from eagle3lib.params import repo_root
 from eagle3lib.report import git_commit, machine_info
-from eagle3lib.target import load_tokenizer, target_path
 from eagle3lib.vllm_bench import mode
 
 
@@ -45,21 +44,17 @@ def main(argv=None) -> int:
                     help="another vLLM export of this run's drafters, e.g. a 06_scaling point's "
                          "outputs/<run>/scaling/n002000/export (default: the run's own export/)")
     args = ap.parse_args(argv)
-    params = load_params(args.params)
-    layout = params.layout(args.run)
-    export_dir = Path(args.export).resolve() if args.export else layout.export   # the vLLM child runs elsewhere
-    if not (export_dir / "config.json").is_file():
-        raise SystemExit(f"{export_dir}: no export; run 05_eval first "
-                         f"(eagle3 run --params {args.params} --only eval)")
-    tdir = target_path(params)
-    prompts, skipped = ev.eval_prompts(params, layout.root, load_tokenizer(tdir, params.target.trust_remote_code))
-    prompts = prompts[:args.prompts or params.eval.vllm_prompts or params.eval.num_prompts]
+    try:
+        run = ev.bench_run(args.params, args.run, args.export, args.prompts)
+    except FileNotFoundError as err:
+        raise SystemExit(str(err)) from None
+    params, layout, export_dir, tdir, prompts = run.params, run.layout, run.export_dir, run.target_dir, run.prompts
     t0 = time.time()
     summary, raw = ev.run_vllm_eval(params, tdir, prompts, sweep_modes(params, export_dir, args.k),
                                     layout.root / "bench" / "k_sweep")
     columns = ["method", "k", "prompts", "new_tokens", "tokens_per_s", "speedup", "acceptance_length",
                "same_output_as_plain"]
-    print(f"{params.run_name}: {len(prompts)} held-out prompts ({skipped} over eval.max_prompt_tokens), "
+    print(f"{params.run_name}: {len(prompts)} held-out prompts ({run.skipped} over eval.max_prompt_tokens), "
           f"{params.eval.max_new_tokens} new tokens, T={params.eval.temperature}, {params.eval.vllm_dtype}, "
           f"vLLM {raw['vllm_version']}, {time.time() - t0:.0f} s")
     print(summary[columns].to_string(index=False, float_format=lambda x: f"{x:.3f}"))

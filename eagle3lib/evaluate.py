@@ -44,7 +44,7 @@ from .domains import domain_prompts, render_capped  # render_prompt: the chat te
 from .engine import engine_kwargs
 from .files import check_run_links, update_metrics
 from .layout import RunLayout
-from .params import host_memory_bytes
+from .params import host_memory_bytes, load_params
 from .progress import tqdm
 from .target import checkpoint_weight_bytes, eos_ids, load_target, load_tokenizer, target_path
 from .verdict import PLAIN, best_method, breadth_verdict, eagle3_verdict, ngram_verdict, row_of
@@ -68,6 +68,35 @@ def eval_prompts(params, run_dir, tokenizer, limit: Optional[int] = None) -> tup
         raise ValueError(f"no held-out evaluation prompt left ({skipped} longer than eval.max_prompt_tokens="
                          f"{cap}): check the data stage / eval.prompts_path / eval.max_prompt_tokens")
     return prompts, skipped
+
+
+@dataclass
+class BenchRun:
+    """What a bench needs to measure a finished run's drafter in vLLM (bench/k_sweep.py,
+    bench/engine_spread.py)."""
+    params: object
+    layout: RunLayout
+    export_dir: Path          # the vLLM export measured
+    target_dir: Path
+    prompts: list             # the first eval.vllm_prompts (else eval.num_prompts) held-out prompts
+    skipped: int              # held-out prompts over eval.max_prompt_tokens
+
+
+def bench_run(params_path: str, run: Optional[str] = None, export: Optional[str] = None,
+              limit: Optional[int] = None) -> BenchRun:
+    """The profile, the run (default: its run_name), the export (`export`, else the run's own export/)
+    and the first `limit` held-out prompts. Raises FileNotFoundError naming the fix when the export
+    has no config.json."""
+    params = load_params(params_path)
+    layout = params.layout(run)
+    export_dir = Path(export).resolve() if export else layout.export      # the vLLM child runs elsewhere
+    if not (export_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{export_dir}: no export; run 05_eval first "
+                                f"(eagle3 run --params {params_path} --only eval)")
+    target_dir = target_path(params)
+    prompts, skipped = eval_prompts(params, layout.root, load_tokenizer(target_dir, params.target.trust_remote_code))
+    return BenchRun(params, layout, export_dir, target_dir,
+                    prompts[:limit or params.eval.vllm_prompts or params.eval.num_prompts], skipped)
 
 
 @dataclass

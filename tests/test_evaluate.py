@@ -119,6 +119,11 @@ def test_missing_trained_drafter_is_a_clear_error(tmp_path):
     assert ev.trained_drafter_dir(layout) == tmp_path / "train" / "final"
 
 
+def test_a_bench_without_an_export_is_told_to_run_05(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"no export; run 05_eval first .*--only eval"):
+        ev.bench_run("params/ci.yaml", export=str(tmp_path / "missing"))
+
+
 def test_eval_prompts_skip_long_ones_and_count_them(tmp_path):
     class Tok:  # one token per character of the user message: lengths are easy to reason about
         def apply_chat_template(self, messages, add_generation_prompt, tokenize):
