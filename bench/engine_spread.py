@@ -21,30 +21,25 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from eagle3lib import evaluate as ev
 from eagle3lib.params import repo_root
 from eagle3lib.report import git_commit, machine_info
-from eagle3lib.vllm_bench import mode
 
 METHODS = ("plain", "ngram", "eagle3")
 
 
 def round_modes(params, export_dir: Path, k: int, rounds: int) -> list:
-    """plain, n-gram and EAGLE-3 at k, `rounds` times; round r starts at method r mod 3."""
+    """05's modes (evaluate.vllm_modes: plain, n-gram and EAGLE-3 at k), `rounds` times, named
+    <method>_r<round>; round r starts r - 1 places further along METHODS."""
+    base = ev.vllm_modes([(k, params.eval.prompt_lookup_min, params.eval.prompt_lookup_max)], export_dir, k)
+    assert tuple(m.method for m in base) == METHODS
     modes = []
     for r in range(rounds):
-        for i in range(len(METHODS)):
-            method = METHODS[(r + i) % len(METHODS)]
-            name = f"{method}_r{r + 1}"
-            if method == "plain":
-                modes.append(mode("plain", name=name))
-            elif method == "ngram":
-                modes.append(mode("ngram", k, name=name, prompt_lookup_min=params.eval.prompt_lookup_min,
-                                  prompt_lookup_max=params.eval.prompt_lookup_max))
-            else:
-                modes.append(mode("eagle3", k, name=name, model=str(export_dir)))
+        start = r % len(base)
+        modes += [replace(m, name=f"{m.method}_r{r + 1}") for m in base[start:] + base[:start]]
     return modes
 
 
@@ -54,6 +49,7 @@ def round_rows(summary, rounds: int) -> list:
     rows = []
     for r in range(1, rounds + 1):
         plain, ngram, eagle = (by_name[f"{m}_r{r}"] for m in METHODS)
+        all_same = f"{plain['prompts']}/{plain['prompts']}"                 # every output equals plain's
         rows.append({
             "round": r, "order": [m for m in by_name if m.endswith(f"_r{r}")],
             "plain_tps": plain["tokens_per_s"], "ngram_tps": ngram["tokens_per_s"],
@@ -63,8 +59,7 @@ def round_rows(summary, rounds: int) -> list:
             # seconds per speculative round, in plain decode steps
             "ngram_round_cost": ngram["acceptance_length"] * plain["tokens_per_s"] / ngram["tokens_per_s"],
             "eagle3_round_cost": eagle["acceptance_length"] * plain["tokens_per_s"] / eagle["tokens_per_s"],
-            "lossless": ngram["same_output_as_plain"] == eagle["same_output_as_plain"]
-            == f"{plain['prompts']}/{plain['prompts']}",
+            "lossless": ngram["same_output_as_plain"] == all_same and eagle["same_output_as_plain"] == all_same,
         })
     return rows
 
