@@ -7,8 +7,11 @@ Variants run one after another in this process: the trainer is the real `eagle3l
     python bench/train_sweep.py --params params/local.yaml --tokens 250000 \
         --variant base: --variant b1k:batch_tokens=1024 --variant b1k-lr5e-3:batch_tokens=1024,lr=0.005
 
-A variant is `name:key=value,key=value` over train.* fields (values parsed as YAML scalars).
-max_steps is set from --tokens / batch_tokens unless the variant gives it. Results are appended
+A variant is `name:key=value,key=value` over train.* fields (values parsed as YAML; a list in brackets
+keeps its commas). max_steps is set from --tokens / batch_tokens unless the variant gives it.
+One key is not a train field: `aux_layers=[2,15,29]` trains on the source run's chats extracted with
+those three target layers instead; that cache is written once under <workdir>/cache-<run>-2-15-29/ (03's
+extraction, resumable) and reused by later sweeps. Results are appended
 to outputs/bench/train_sweep.jsonl; `curve` holds the held-out estimate at every checkpoint (give a
 variant `checkpoint_every=200` to get one; the default evaluates only at the end).
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -31,20 +35,37 @@ import yaml
 
 from eagle3lib import evaluate as ev
 from eagle3lib.export import export_vllm
+from eagle3lib.extract import SharedBackend, check_aux_layers, extract_hidden_states, load_split
 from eagle3lib.files import remove_tree
-from eagle3lib.params import load_params
+from eagle3lib.layout import RunLayout
+from eagle3lib.params import Params, load_params
 from eagle3lib.target import load_tokenizer, target_path
 from eagle3lib.train import train
 from eagle3lib.vllm_bench import mode
 
 
 def parse_variant(text: str) -> tuple:
+    """"name:k=v,k=v" -> (name, {k: v}); a comma inside [...] belongs to its list."""
     name, _, body = text.partition(":")
     changes = {}
-    for item in filter(None, body.split(",")):
+    for item in filter(None, re.split(r",(?![^\[]*\])", body)):
         key, _, value = item.partition("=")
         changes[key.strip()] = yaml.safe_load(value)
     return name, changes
+
+
+def aux_cache(params: Params, src: RunLayout, work: Path, aux_layers: list) -> tuple:
+    """The source run's train and eval chats extracted with `aux_layers` (03's extraction; resumable,
+    so a second sweep reads it back) -> (the RunLayout holding that hidden/ folder, the params whose
+    cache identity it carries)."""
+    check_aux_layers(aux_layers, params.target_shape()["num_hidden_layers"], params.target.path)
+    Q = replace(params, extract=replace(params.extract, aux_layers=list(aux_layers)))
+    cache = RunLayout((work / "-".join(["cache", src.root.name, *map(str, aux_layers)])).resolve())
+    cache.root.mkdir(parents=True, exist_ok=True)
+    with SharedBackend() as shared:                         # one engine start for both splits
+        for split in ("train", "eval"):
+            extract_hidden_states(Q, cache, split, dataset=load_split(src, split), shared=shared)
+    return cache, Q
 
 
 def main(argv=None) -> int:
@@ -73,28 +94,34 @@ def main(argv=None) -> int:
     rows, finals = [], {}
     for text in args.variant:
         name, changes = parse_variant(text)
+        aux_layers = changes.pop("aux_layers", None)
+        t_extract = time.time()
+        hidden_src, base = aux_cache(params, src, work, aux_layers) if aux_layers is not None else (src, params)
+        t_extract = time.time() - t_extract
         train_params = replace(params.train, resume=False, time_budget_minutes=None, checkpoint_every=10**9)
         train_params = replace(train_params, **changes)
         if "max_steps" not in changes:
             train_params = replace(train_params, max_steps=max(1, math.ceil(args.tokens / train_params.batch_tokens)))
-        Q = replace(params, output_dir=str(work), run_name=name, train=train_params)
+        Q = replace(base, output_dir=str(work), run_name=name, train=train_params)
         run = Q.layout()
         if run.root.exists():
             remove_tree(run.root, under=work)
         run.root.mkdir(parents=True)
-        run.hidden("train").parent.symlink_to(src.hidden("train").parent)
+        run.hidden("train").parent.symlink_to(hidden_src.hidden("train").parent.resolve())
         run.data.symlink_to(src.data)
         t0 = time.time()
         summary = train(Q, run.root, progress=True, links_within=params.outputs_root())   # links: into outputs/
         history = json.loads(run.history.read_text())
         curve = [[r["step"], round(r["eval"]["acceptance_estimate"], 4), round(r["eval"]["acceptance_replayed"], 4)]
                  for r in history if "eval" in r]   # [step, estimate, replayed]
+        if aux_layers is not None:
+            changes["aux_layers"] = aux_layers       # extract_s: this run's extraction (~0 when read back)
         row = {"variant": name, "changes": changes, "tokens_budget": args.tokens, "steps": summary["steps"],
                "wall_s": round(time.time() - t0, 1), "tokens_per_s": round(summary["tokens_per_s_this_run"], 1),
                "eval_acc": [round(a, 4) for a in summary["eval"]["acc"]],
                "acceptance_estimate": round(summary["eval"]["acceptance_estimate"], 4),
                "acceptance_replayed": round(summary["eval"]["acceptance_replayed"], 4),
-               "curve": curve,
+               "curve": curve, **({"extract_s": round(t_extract, 1)} if aux_layers is not None else {}),
                "date": time.strftime("%Y-%m-%d %H:%M"), "params": args.params}
         print(json.dumps(row), flush=True)
         rows.append(row)

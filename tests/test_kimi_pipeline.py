@@ -84,22 +84,24 @@ def refuse_model_loading(mp: pytest.MonkeyPatch, folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, kimi_dir):
     """`eagle3 run --smoke --only data,extract,train` of the mini-kimi profile (its own target path),
-    every process under the shim. -> (smoke Params, metrics.json, the shim's log, the profile)."""
+    every process under the shim. -> (smoke Params, metrics.json, the shim's log, the profile, the CLI's stdout).
+    The suite's one CLI smoke run (test_smoke.py checks the slices of every profile without running them)."""
     profile = write_profile(tmp_path_factory.mktemp("mk"), "mini-kimi.yaml", target={"path": str(kimi_dir)})
     params = smoke_params(load_params(profile))
     assert params.data.regen_backend == "vllm" and params.extract.backend == "vllm"  # what the profile states
     assert params.extract.fidelity == "vllm" and params.extract.mode == "offline"
     with pytest.MonkeyPatch.context() as mp:
         shim_log = refuse_model_loading(mp, tmp_path_factory.mktemp("shim"))
-        _, metrics = run_cli_smoke(profile, only="data,extract,train")
-    return params, metrics, shim_log, profile
+        r, metrics = run_cli_smoke(profile, only="data,extract,train")
+    return params, metrics, shim_log, profile, r.stdout
 
 
 def test_the_smoke_run_completes_with_two_process_dcp_resume(run):
     """The CLI's smoke run of the profile as shipped: every stage asked for ran beside the plan's
-    figures; the second training leg resumed the first's DCP checkpoint to bit-equal weights."""
-    params, metrics, _, _ = run
+    figures (printed too); the second training leg resumed the first's DCP checkpoint to bit-equal weights."""
+    params, metrics, _, _, stdout = run
     check_smoke_metrics(metrics, full_steps=20, fmt="dcp", stages=["data", "extract", "train", "train-resume"])
+    assert "plan (full run)" in stdout and "resume: dcp checkpoint of step 10 -> step 20" in stdout
     assert metrics["smoke"]["resume"]["final_weights_equal"] is True                    # offline: bit for bit
     branches = metrics["smoke"]["branches"]
     assert branches["extraction"]["backend"] == "vllm" and branches["regeneration"] == "vllm"
@@ -111,7 +113,7 @@ def test_stages_ran_without_transformers_model_loading_and_with_the_amx_backend(
     """The shim was active in every process of the run (regeneration, extraction, both training
     legs) and it refuses a load; the engines ran with attention_backend CPU_MLA, the choice an AMX
     CPU gets, in fp32 (the profile's dtype)."""
-    params, _, shim_log, _ = run
+    params, _, shim_log, _, _ = run
     patched = shim_log.read_text().splitlines()
     assert sum("eagle3lib.regenerate" in line for line in patched) >= 1, patched
     assert sum("torch.distributed.run" in line for line in patched) == 2, patched     # two legs (torchrun)
@@ -131,7 +133,7 @@ def test_fidelity_check_ran_through_vllm_in_the_extraction_engine(run):
     """03's check on the big box's path: the reference was saved by the extraction's own engine
     start and the check read it; both splits were extracted through ONE engine start
     (extract_splits; the plan counts one), and nothing else started one."""
-    params, metrics, shim_log, _ = run
+    params, metrics, shim_log, _, _ = run
     engines = [line for line in shim_log.read_text().splitlines() if "eagle3lib.extract_vllm" in line]
     assert len(engines) == 1, engines
     assert (params.layout().hidden("eval") / ex.FIDELITY_REFERENCE).is_file()
@@ -148,7 +150,7 @@ def test_fidelity_check_ran_through_vllm_in_the_extraction_engine(run):
 def test_vllm_regeneration_equals_the_targets_greedy_answer(run, kimi_dir):
     """The regenerated first answers are the MoE target's own greedy continuation in transformers
     (vLLM fp32 = HF fp32 on MLA + noaux_tc MoE)."""
-    params, _, _, _ = run
+    params, _, _, _, _ = run
     stats = read_json(params.layout().data / "stats.json")
     assert stats["regen"]["backend"] == "vllm" and stats["train"]["conversations"] == params.data.num_train
     tok = load_tokenizer(kimi_dir)
@@ -166,7 +168,7 @@ def test_vllm_regeneration_equals_the_targets_greedy_answer(run, kimi_dir):
 def test_vllm_extraction_equals_hf_extraction_on_the_kimi_target(run, tmp_path, kimi_dir):
     """Same tokens and masks, states within fp32 tolerance, and the target head's argmax on the
     cached final state agrees with HF's on >= 99 % of decisive tokens (top-1 leads by > 0.5)."""
-    params, metrics, _, profile = run
+    params, metrics, _, profile, _ = run
     params_hf = smoke_params(load_params(profile,
                                          overrides={"extract": {"backend": "hf"}, "output_dir": str(tmp_path)}))
     dataset = load_processed(params.run_dir(), "train")
@@ -196,7 +198,7 @@ def test_online_states_equal_the_offline_cache_on_the_kimi_target(run):
     """extract.mode online on the big box's architecture: vLLM's server (the lab's own start, the
     hidden-states connector) serves the states of the offline vLLM cache, within the backends'
     fp32 tolerance above; ids and masks equal."""
-    params, _, _, _ = run
+    params, _, _, _, _ = run
     dataset = load_processed(params.run_dir(), "train")
     offline = HiddenCache(params.layout().hidden("train"))
     with HiddenStateServer(params, params.layout()) as server:
@@ -210,7 +212,7 @@ def test_online_states_equal_the_offline_cache_on_the_kimi_target(run):
 def test_two_process_fsdp_training_on_the_kimi_cache(run):
     """04 as the notebook launches it: torchrun, 2 gloo processes, FSDP, every step logged and the
     loss falling; the resumed leg continued the history from its checkpoint."""
-    params, metrics, _, _ = run
+    params, metrics, _, _, _ = run
     summary = json.loads((params.layout().train / "summary.json").read_text())
     assert summary["world_size"] == 2 == metrics["train"]["world_size"] and summary["steps"] == params.train.max_steps
     history = json.loads((params.layout().train / "history.json").read_text())

@@ -126,3 +126,24 @@ def test_engine_spread_rotates_the_order_and_computes_each_rounds_ratio():
     assert out[0]["eagle3_round_cost"] == pytest.approx(1.8 * 10 / 18)
     assert out[0]["ngram_round_cost"] == pytest.approx(1.5)
     assert out[0]["lossless"] is True and out[1]["lossless"] is False
+
+
+def load_bench(name: str):
+    spec_ = importlib.util.spec_from_file_location(name, repo_root() / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(module)
+    return module
+
+
+def test_train_sweep_variant_keeps_a_lists_commas_and_names_its_aux_cache(tmp_path):
+    bench = load_bench("train_sweep")
+    name, changes = bench.parse_variant("aux29:aux_layers=[2,15,29],lr=0.005,label_positions=all")
+    assert name == "aux29"
+    assert changes == {"aux_layers": [2, 15, 29], "lr": 0.005, "label_positions": "all"}
+    assert bench.parse_variant("base:") == ("base", {})
+    # an aux choice out of the target's range is refused before any engine starts
+    params = types.SimpleNamespace(target_shape=lambda: {"num_hidden_layers": 30},
+                                   target=types.SimpleNamespace(path="smol"))
+    with pytest.raises(Exception, match=r"extract.aux_layers: \[2, 15, 30\] out of range"):
+        bench.aux_cache(params, types.SimpleNamespace(root=tmp_path / "local"), tmp_path, [2, 15, 30])
+    assert not any(tmp_path.iterdir())
