@@ -59,13 +59,13 @@ def aux_cache(params: Params, src: RunLayout, work: Path, aux_layers: list) -> t
     so a second sweep reads it back) -> (the RunLayout holding that hidden/ folder, the params whose
     cache identity it carries)."""
     check_aux_layers(aux_layers, params.target_shape()["num_hidden_layers"], params.target.path)
-    Q = replace(params, extract=replace(params.extract, aux_layers=list(aux_layers)))
+    aux_params = replace(params, extract=replace(params.extract, aux_layers=list(aux_layers)))
     cache = RunLayout((work / "-".join(["cache", src.root.name, *map(str, aux_layers)])).resolve())
     cache.root.mkdir(parents=True, exist_ok=True)
     with SharedBackend() as shared:                         # one engine start for both splits
         for split in ("train", "eval"):
-            extract_hidden_states(Q, cache, split, dataset=load_split(src, split), shared=shared)
-    return cache, Q
+            extract_hidden_states(aux_params, cache, split, dataset=load_split(src, split), shared=shared)
+    return cache, aux_params
 
 
 def main(argv=None) -> int:
@@ -115,13 +115,14 @@ def main(argv=None) -> int:
         curve = [[r["step"], round(r["eval"]["acceptance_estimate"], 4), round(r["eval"]["acceptance_replayed"], 4)]
                  for r in history if "eval" in r]   # [step, estimate, replayed]
         if aux_layers is not None:
-            changes["aux_layers"] = aux_layers       # extract_s: this run's extraction (~0 when read back)
+            changes["aux_layers"] = aux_layers
         row = {"variant": name, "changes": changes, "tokens_budget": args.tokens, "steps": summary["steps"],
                "wall_s": round(time.time() - t0, 1), "tokens_per_s": round(summary["tokens_per_s_this_run"], 1),
                "eval_acc": [round(a, 4) for a in summary["eval"]["acc"]],
                "acceptance_estimate": round(summary["eval"]["acceptance_estimate"], 4),
                "acceptance_replayed": round(summary["eval"]["acceptance_replayed"], 4),
-               "curve": curve, **({"extract_s": round(t_extract, 1)} if aux_layers is not None else {}),
+               "curve": curve,   # extract_s: this sweep's extraction for the variant (~0 when read back)
+               **({"extract_s": round(t_extract, 1)} if aux_layers is not None else {}),
                "date": time.strftime("%Y-%m-%d %H:%M"), "params": args.params}
         print(json.dumps(row), flush=True)
         rows.append(row)
