@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         if run.root.exists():
             remove_tree(run.root, under=work)
         run.root.mkdir(parents=True)
-        run.hidden("train").parent.symlink_to(hidden_src.hidden("train").parent.resolve())
+        run.hidden_root.symlink_to(hidden_src.hidden_root.resolve())
         run.data.symlink_to(src.data)
         t0 = time.time()
         summary = train(Q, run.root, progress=True, links_within=params.outputs_root())   # links: into outputs/

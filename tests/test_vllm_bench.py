@@ -11,7 +11,7 @@ import types
 import pandas as pd
 import pytest
 
-from eagle3lib.params import repo_root
+from eagle3lib.params import ParamsError, repo_root
 from eagle3lib.vllm_bench import BenchResult, BenchSpec, GroupSpec, ModeSpec, mode
 
 
@@ -99,16 +99,16 @@ def test_a_malformed_result_names_the_bad_field(change, message):
         BenchResult.from_json(data)
 
 
-def load_engine_spread():
-    """bench/engine_spread.py, imported by path (bench/ is not a package)."""
-    spec_ = importlib.util.spec_from_file_location("engine_spread", repo_root() / "bench" / "engine_spread.py")
+def load_bench(name: str):
+    """bench/<name>.py, imported by path (bench/ is not a package)."""
+    spec_ = importlib.util.spec_from_file_location(name, repo_root() / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec_)
     spec_.loader.exec_module(module)
     return module
 
 
 def test_engine_spread_rotates_the_order_and_computes_each_rounds_ratio():
-    bench = load_engine_spread()
+    bench = load_bench("engine_spread")
     params = types.SimpleNamespace(eval=types.SimpleNamespace(prompt_lookup_min=1, prompt_lookup_max=4))
     modes = bench.round_modes(params, "/x/export", 2, 3)
     assert [m.name for m in modes] == ["plain_r1", "ngram_r1", "eagle3_r1", "ngram_r2", "eagle3_r2", "plain_r2",
@@ -128,14 +128,7 @@ def test_engine_spread_rotates_the_order_and_computes_each_rounds_ratio():
     assert out[0]["lossless"] is True and out[1]["lossless"] is False
 
 
-def load_bench(name: str):
-    spec_ = importlib.util.spec_from_file_location(name, repo_root() / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(module)
-    return module
-
-
-def test_train_sweep_variant_keeps_a_lists_commas_and_names_its_aux_cache(tmp_path):
+def test_train_sweep_variant_keeps_a_lists_commas_and_refuses_an_out_of_range_aux_choice(tmp_path):
     bench = load_bench("train_sweep")
     name, changes = bench.parse_variant("aux29:aux_layers=[2,15,29],lr=0.005,label_positions=all")
     assert name == "aux29"
@@ -144,6 +137,6 @@ def test_train_sweep_variant_keeps_a_lists_commas_and_names_its_aux_cache(tmp_pa
     # an aux choice out of the target's range is refused before any engine starts
     params = types.SimpleNamespace(target_shape=lambda: {"num_hidden_layers": 30},
                                    target=types.SimpleNamespace(path="smol"))
-    with pytest.raises(Exception, match=r"extract.aux_layers: \[2, 15, 30\] out of range"):
+    with pytest.raises(ParamsError, match=r"extract.aux_layers: \[2, 15, 30\] out of range"):
         bench.aux_cache(params, types.SimpleNamespace(root=tmp_path / "local"), tmp_path, [2, 15, 30])
     assert not any(tmp_path.iterdir())
