@@ -11,12 +11,19 @@ prompts alike: "auto" passes nothing (the template's own default), "on"/"off" pa
 `thinking` and `enable_thinking` (the two names these templates read; a template ignores the other).
 HF `apply_chat_template(**kwargs)` hands extra keyword arguments to the Jinja template as variables.
 
+Chats with tools render with the template's `tools` argument (the OpenAI tools list, chats.py), so
+the target reads its own tools declaration and answers with its own tool-call markers; a template
+that renders `tools` or an assistant turn's `tool_calls` no differently from a chat without them
+ignores them (ignored_tool_features: the data stage counts such chats and says so once).
+
 `KIMI_LIKE_TEMPLATE` behaves like Kimi-K2.5's template (thinking generation prompt, empty think
-block in history, tool-call markers) on any tokenizer; the tests give it to SmolLM2's tokenizer.
+block in history, tools declaration, tool-call markers, tool results) on any tokenizer; the tests
+give it to SmolLM2's tokenizer.
 """
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 THINKING_CHOICES = ("auto", "on", "off")
 THINK_START, THINK_END = "<think>", "</think>"
@@ -33,16 +40,52 @@ def template_kwargs(thinking: str) -> dict:
     return {"thinking": on, "enable_thinking": on}
 
 
-def render_text(tokenizer, messages: list[dict], add_generation_prompt: bool, thinking: str = "auto") -> str:
+def render_text(tokenizer, messages: list[dict], add_generation_prompt: bool, thinking: str = "auto",
+                tools: Optional[list[dict]] = None) -> str:
+    """The chat as text; `tools` (a chat's OpenAI tools list) goes to the template only when there are
+    some, so a chat without tools renders exactly as it did before tools existed."""
+    kwargs = template_kwargs(thinking)
+    if tools:
+        kwargs["tools"] = tools
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **template_kwargs(thinking))
+                                         **kwargs)
 
 
-def prompt_ids(tokenizer, messages: list[dict], thinking: str = "auto") -> list[int]:
-    """The ids the engine gets for the next assistant turn: the template with its generation prompt,
-    tokenised without special tokens (the template writes them)."""
-    text = render_text(tokenizer, messages, True, thinking)
+def prompt_ids(tokenizer, messages: list[dict], thinking: str = "auto",
+               tools: Optional[list[dict]] = None) -> list[int]:
+    """The ids the engine gets for the next assistant turn: the template with its generation prompt
+    (and the chat's tools declaration), tokenised without special tokens (the template writes them)."""
+    text = render_text(tokenizer, messages, True, thinking, tools)
     return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "A probe.",
+                                               "parameters": {"type": "object", "properties": {}}}}
+PROBE_CALL = [{"role": "user", "content": "Hi"},
+              {"role": "assistant", "content": "", "tool_calls": [
+                  {"id": "functions.probe:0", "type": "function", "function": {"name": "probe", "arguments": "{}"}}]}]
+
+
+def _renders_differently(render_with, render_without) -> bool:
+    try:
+        return render_with() != render_without()
+    except Exception:  # a template may refuse what it does not support (jinja2's raise_exception)
+        return False
+
+
+def ignored_tool_features(tokenizer) -> list[str]:
+    """What of a chat with tools the template does not render: "tools" (the declaration: the prompt
+    is the same with and without `tools=`), "tool_calls" (an assistant turn with calls renders as one
+    without). Empty for a template with tools support."""
+    ignored = []
+    if not _renders_differently(lambda: render_text(tokenizer, PROBE_CHAT, True, tools=[PROBE_TOOL]),
+                                lambda: render_text(tokenizer, PROBE_CHAT, True)):
+        ignored.append("tools")
+    plain = [PROBE_CALL[0], {"role": "assistant", "content": ""}]
+    if not _renders_differently(lambda: render_text(tokenizer, PROBE_CALL, False),
+                                lambda: render_text(tokenizer, plain, False)):
+        ignored.append("tool_calls")
+    return ignored
 
 
 def thinking_active(tokenizer, thinking: str = "auto") -> bool:
@@ -69,13 +112,17 @@ def split_reasoning(text: str) -> tuple[str, str]:
 
 
 # A template shaped like Kimi-K2.5's: role headers <|im_system|>/<|im_user|>/<|im_assistant|> +
-# <|im_middle|>, default system prompt, `thinking` variable (default true), reasoning kept only for
-# assistant turns after the last user turn, tool calls and tool results.
+# <|im_middle|>, the tools declaration first (a `tool_declare` system turn, compact JSON), default
+# system prompt, `thinking` variable (default true), reasoning kept only for assistant turns after the
+# last user turn, tool calls (`<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}
+# <|tool_call_end|>` inside a tool-calls section) and tool results.
 KIMI_LIKE_TEMPLATE = (
     "{%- set thinking = thinking if thinking is defined else true -%}"
     "{%- set ns = namespace(last_user=-1) -%}"
     "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
     "{%- endfor -%}"
+    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}<|im_end|>"
+    "{%- endif -%}"
     "{%- if not messages or messages[0].role != 'system' -%}"
     "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
     "{%- endif -%}"
@@ -90,7 +137,9 @@ KIMI_LIKE_TEMPLATE = (
     "{{ m.content }}"
     "{%- if m.tool_calls -%}<|tool_calls_section_begin|>"
     "{%- for tc in m.tool_calls -%}<|tool_call_begin|>{{ tc.id }}<|tool_call_argument_begin|>"
-    "{{ tc.function.arguments }}<|tool_call_end|>{%- endfor -%}<|tool_calls_section_end|>"
+    "{%- if tc.function.arguments is string -%}{{ tc.function.arguments }}"
+    "{%- else -%}{{ tc.function.arguments | tojson }}{%- endif -%}"
+    "<|tool_call_end|>{%- endfor -%}<|tool_calls_section_end|>"
     "{%- endif -%}<|im_end|>"
     "{%- endif -%}"
     "{%- endfor -%}"

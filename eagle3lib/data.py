@@ -10,13 +10,17 @@ Pipeline (`prepare_data`):
 5. optionally regenerate the assistant turns with the target itself (`regenerate.py`): such a
    chat's sequence is token-exact, the prompt ids sent to the engine and the ids it generated
    (regenerate.token_sequence), loss mask = 1 on exactly the generated ids;
-6. every other chat is rendered with the target's own chat template (in data.thinking's mode) and
-   tokenised; loss mask = 1 on assistant content tokens and the end-of-turn token that closes
-   them, 0 elsewhere; every sequence is truncated to `data.max_length`;
+6. every other chat is rendered with the target's own chat template (in data.thinking's mode, with
+   the chat's tools declaration when it has one) and tokenised; loss mask = 1 on assistant content
+   tokens, an assistant turn's tool calls (the template's tool-call markers, names and arguments)
+   and the end-of-turn token that closes them, 0 elsewhere (tool results included); every sequence
+   is truncated to `data.max_length`;
 7. count assistant-token frequencies on the train split -> draft vocabulary (`vocab.py`).
 
 Steps 1-4 and the normalisation rules are in chats.py (`held_out_chats`); this module renders,
-masks, tokenises, selects and writes. A chat the template refuses counts as "template_error".
+masks, tokenises, selects and writes. A chat the template refuses counts as "template_error"; chats
+with tools or tool calls that the target's template does not render are counted ("tools_ignored")
+and named in one warning line.
 
 Outputs under `<run>/data/` (paths from `RunLayout`, see layout.py); `stats.json` is written last
 and is the completion marker. It carries the cache key (data params, the sha256 of every source,
@@ -37,8 +41,16 @@ from pathlib import Path
 from typing import Optional
 
 from . import vocab as vocab_lib
-from .chat_template import check_thinking_kwarg, render_text, thinking_active
-from .chats import MalformedRecord, describe_sources, first_user_prompt, held_out_chats, normalize_chat, source_sha256
+from .chat_template import check_thinking_kwarg, ignored_tool_features, render_text, thinking_active
+from .chats import (
+    TOOL_KEYS,
+    MalformedRecord,
+    describe_sources,
+    first_user_prompt,
+    held_out_chats,
+    normalize_chat,
+    source_sha256,
+)
 from .files import atomic_write_json, check_run_links, read_json, remove_tree, update_metrics
 from .layout import RunLayout
 from .params import ParamsError, regen_cap_problem, resolve_path
@@ -65,36 +77,58 @@ def end_of_turn_strings(tokenizer) -> list[str]:
     return sorted((s for s in strings if s), key=len, reverse=True)
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, thinking: str = "auto") -> str:
-    return render_text(tokenizer, messages, add_generation_prompt, thinking)
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, thinking: str = "auto",
+            tools: Optional[list[dict]] = None) -> str:
+    return render_text(tokenizer, messages, add_generation_prompt, thinking, tools)
+
+
+def template_message(m: dict) -> dict:
+    """What the chat template gets of a message: role, content, and its tool calls or result id."""
+    return {"role": m["role"], "content": m["content"], **{k: m[k] for k in TOOL_KEYS if k in m}}
+
+
+# Stands in for an assistant turn's content to find where the content starts in the rendered turn.
+CONTENT_PROBE = "\x00eagle3lab-content\x00"
+
+
+def _content_offset(tokenizer, clean: list[dict], i: int, prompt: str, segment: str, thinking: str,
+                    tools: Optional[list[dict]]) -> int:
+    """Where assistant turn i's content starts in its rendered `segment` (the turn after the
+    generation prompt): rendered once more with a probe as its content. 0 (the whole turn) when the
+    template renders the probe turn another way before the content."""
+    probe = _render(tokenizer, clean[:i] + [{**clean[i], "content": CONTENT_PROBE}], thinking=thinking, tools=tools)
+    j = probe.find(CONTENT_PROBE, len(prompt)) - len(prompt)
+    return j if j >= 0 and probe.startswith(prompt) and segment.startswith(probe[len(prompt):len(prompt) + j]) else 0
 
 
 def render_with_spans(tokenizer, messages: list[dict], max_chars: Optional[int] = None,
-                      end_strings: Optional[list[str]] = None,
-                      thinking: str = "auto") -> tuple[str, list[tuple[int, int]]]:
+                      end_strings: Optional[list[str]] = None, thinking: str = "auto",
+                      tools: Optional[list[dict]] = None) -> tuple[str, list[tuple[int, int]]]:
     """Render a chat with the tokenizer's chat template and find the assistant spans.
 
     Each assistant span [start, end) covers the assistant content plus the end-of-turn token that
-    directly follows it (e.g. `<|im_end|>`), not the template's glue (`\\n`, next header). The
+    directly follows it (e.g. `<|im_end|>`), not the template's glue (`\\n`, next header); a turn
+    with tool calls from its content to the end of the turn (the calls and the end token). The
     start is found by rendering the prefix with `add_generation_prompt=True`, which works for any
     template that renders a chat incrementally (checked: each prefix must be a prefix of the full
     text). An assistant message carrying `"capped": True` (a regenerated answer that hit the length
     cap) must be the last one: the text is cut after its content, so no end token is added.
     Spans whose prompt starts at or after `max_chars` are skipped (they are truncated away).
+    `tools`: the chat's tools list (chats.normalize_record), declared by the template.
     Raises MalformedRecord("template_error") when the template is not incremental."""
-    clean = [{"role": m["role"], "content": m["content"]} for m in messages]
+    clean = [template_message(m) for m in messages]
     end_strings = end_of_turn_strings(tokenizer) if end_strings is None else end_strings
-    text = _render(tokenizer, clean, thinking=thinking)
+    text = _render(tokenizer, clean, thinking=thinking, tools=tools)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        prompt = _render(tokenizer, clean[:i], add_generation_prompt=True, thinking=thinking)
+        prompt = _render(tokenizer, clean[:i], add_generation_prompt=True, thinking=thinking, tools=tools)
         if not text.startswith(prompt):
             raise MalformedRecord("template_error", f"the prompt before assistant turn {i} is not a prefix")
         if max_chars is not None and len(prompt) >= max_chars:
             break
-        upto = _render(tokenizer, clean[:i + 1], thinking=thinking)
+        upto = _render(tokenizer, clean[:i + 1], thinking=thinking, tools=tools)
         if not text.startswith(upto):
             raise MalformedRecord("template_error", f"the chat up to turn {i} is not a prefix")
         segment = upto[len(prompt):]
@@ -103,7 +137,10 @@ def render_with_spans(tokenizer, messages: list[dict], max_chars: Optional[int] 
         if j < 0:
             content = content.strip()
             j = segment.find(content)
-        if j < 0:  # the template rewrote the content: the whole rendered turn, minus trailing glue
+        if m.get("tool_calls"):  # content (maybe empty), then the calls: up to the end of the turn, minus glue
+            start = len(prompt) + _content_offset(tokenizer, clean, i, prompt, segment, thinking, tools)
+            end = len(prompt) + len(segment.rstrip())
+        elif j < 0:  # the template rewrote the content: the whole rendered turn, minus trailing glue
             start, end = len(prompt), len(prompt) + len(segment.rstrip())
         else:
             start = end = len(prompt) + j
@@ -158,15 +195,16 @@ def cut_long_messages(tokenizer, messages: list[dict], max_length: int) -> list[
     return [m if len(m["content"]) <= bound else {**m, "content": m["content"][:bound]} for m in messages]
 
 
-def tokenize_chat(tokenizer, messages: list[dict], max_length: int,
-                  end_strings: Optional[list[str]] = None, thinking: str = "auto") -> dict:
+def tokenize_chat(tokenizer, messages: list[dict], max_length: int, end_strings: Optional[list[str]] = None,
+                  thinking: str = "auto", tools: Optional[list[dict]] = None) -> dict:
     """Chat -> {"input_ids", "loss_mask", "num_tokens" (before truncation, counted up to
     max_length + 1), "truncated"}.
 
     The whole chat is tokenised once (as the model reads it); the loss mask comes from the
-    assistant character spans via the token offsets. Truncated to `max_length` tokens."""
+    assistant character spans via the token offsets. Truncated to `max_length` tokens.
+    `tools`: the chat's tools list (its "tools", chats.normalize_record), declared by the template."""
     messages = cut_long_messages(tokenizer, messages, max_length)
-    text = _render(tokenizer, [{"role": m["role"], "content": m["content"]} for m in messages], thinking=thinking)
+    text = _render(tokenizer, [template_message(m) for m in messages], thinking=thinking, tools=tools)
     if getattr(tokenizer, "is_fast", False):
         # max_length + 1 tokens tell whether the chat was truncated; a 20 MB message then costs the
         # tokenizer's own pass, not Python lists of millions of ids and offsets
@@ -175,7 +213,7 @@ def tokenize_chat(tokenizer, messages: list[dict], max_length: int,
         offsets = enc["offset_mapping"]
         # Assistant turns that start after the truncation point need no rendering.
         max_chars = offsets[max_length][0] if len(offsets) > max_length else None
-        text2, spans = render_with_spans(tokenizer, messages, max_chars, end_strings, thinking)
+        text2, spans = render_with_spans(tokenizer, messages, max_chars, end_strings, thinking, tools)
         if text2 != text:  # a capped last turn cut the text: tokenise what is left
             enc = tokenizer(text2, add_special_tokens=False, return_offsets_mapping=True,
                             truncation=True, max_length=max_length + 1)
@@ -183,7 +221,7 @@ def tokenize_chat(tokenizer, messages: list[dict], max_length: int,
         input_ids = list(enc["input_ids"])
         loss_mask = _mask_from_offsets(offsets, spans)
     else:
-        text2, spans = render_with_spans(tokenizer, messages, None, end_strings, thinking)
+        text2, spans = render_with_spans(tokenizer, messages, None, end_strings, thinking, tools)
         input_ids, loss_mask = _tokenize_pieces(tokenizer, text2, spans)
     return _truncated(input_ids, loss_mask, max_length)
 
@@ -194,12 +232,13 @@ def _truncated(input_ids: list, loss_mask: list, max_length: int) -> dict:
             "num_tokens": num_tokens, "truncated": num_tokens > max_length}
 
 
-def first_answer_fits(tokenizer, messages: list[dict], max_length: int, thinking: str = "auto") -> bool:
+def first_answer_fits(tokenizer, messages: list[dict], max_length: int, thinking: str = "auto",
+                      tools: Optional[list[dict]] = None) -> bool:
     """Whether the first assistant turn starts before `max_length` tokens (else truncation
     would leave nothing to train on)."""
-    clean = [{"role": m["role"], "content": m["content"]} for m in cut_long_messages(tokenizer, messages, max_length)]
+    clean = [template_message(m) for m in cut_long_messages(tokenizer, messages, max_length)]
     first = next(i for i, m in enumerate(clean) if m["role"] == "assistant")
-    prompt = _render(tokenizer, clean[:first], add_generation_prompt=True, thinking=thinking)
+    prompt = _render(tokenizer, clean[:first], add_generation_prompt=True, thinking=thinking, tools=tools)
     return len(tokenizer(prompt, add_special_tokens=False, truncation=True, max_length=max_length)["input_ids"]) \
         < max_length
 
@@ -213,7 +252,7 @@ def select_train(tokenizer, pool: list[dict], num_train: Optional[int], max_leng
     for chat in pool:
         if num_train is not None and len(chosen) >= num_train:
             break
-        if first_answer_fits(tokenizer, chat["messages"], max_length, thinking):
+        if first_answer_fits(tokenizer, chat["messages"], max_length, thinking, chat.get("tools")):
             chosen.append(chat)
             bar.update(1)
         else:
@@ -236,7 +275,7 @@ def tokenize_chats(tokenizer, chats: list[dict], max_length: int,
             if "input_ids" in chat:
                 row = _truncated(chat["input_ids"], chat["loss_mask"], max_length)
             else:
-                row = tokenize_chat(tokenizer, chat["messages"], max_length, end_strings, thinking)
+                row = tokenize_chat(tokenizer, chat["messages"], max_length, end_strings, thinking, chat.get("tools"))
         except MalformedRecord:
             stats["template_error"] += 1
             continue
@@ -379,6 +418,25 @@ def check_thinking(tokenizer, d) -> None:
                           f"template opens a reasoning block in the generation prompt; {cut}")
 
 
+def count_tools_ignored(tokenizer, chats: list[dict]) -> int:
+    """How many of `chats` have tools or tool calls that the target's chat template does not render
+    (chat_template.ignored_tool_features); says so in one line when there are any. Such a chat is
+    still trained, as the template renders it: without its tools declaration or calls."""
+    def uses(chat: dict, feature: str) -> bool:
+        return bool(chat.get("tools")) if feature == "tools" else any("tool_calls" in m for m in chat["messages"])
+
+    with_tools = [c for c in chats if uses(c, "tools") or uses(c, "tool_calls")]
+    if not with_tools:
+        return 0
+    ignored = ignored_tool_features(tokenizer)
+    hit = [c for c in with_tools if any(uses(c, feature) for feature in ignored)]
+    if hit:
+        print(f"[data] warning: the target's chat template does not render {' or '.join(ignored)}: {len(hit):,} "
+              "chats with tools are rendered without them (the target never sees their tools declaration or "
+              "calls); give the target a template with tools support, or drop the tool-use sources")
+    return len(hit)
+
+
 class EmptyDataset(ParamsError):
     """No training (or held-out) sequence is left: the stage is not marked done."""
 
@@ -417,6 +475,7 @@ def prepare_data(params, run_dir, progress: bool = True, force: bool = False) ->
     train_chats, skipped_long = select_train(tokenizer, pool, d.num_train, d.max_length, progress, d.thinking)
     if not train_chats:                # before any regeneration: nothing would come of it
         check_not_empty(d, {"conversations": 0}, {}, skipped_long, 0)
+    tools_ignored = count_tools_ignored(tokenizer, train_chats + eval_chats)
     train_in, original, eval_in, regen = _target_answers(params, run_dir, train_chats, eval_chats, progress)
 
     train_cols, train_stats = tokenize_chats(tokenizer, train_in + original, d.max_length, progress,
@@ -435,7 +494,7 @@ def prepare_data(params, run_dir, progress: bool = True, force: bool = False) ->
                       train_skipped_prompt_too_long=skipped_long,
                       train=SplitStats(**train_stats), eval=SplitStats(**eval_stats), regen=regen,
                       vocab_size=vocab_size, draft_vocab_size=d.draft_vocab_size, **vocab_stats,
-                      seconds=round(time.time() - t0, 2))
+                      tools_ignored=tools_ignored, seconds=round(time.time() - t0, 2))
     atomic_write_json(layout.stats, stats.to_json())
     update_metrics(layout.root, "data", data_metrics(stats))
     return stats

@@ -42,12 +42,12 @@ from .data import load_eval_prompts
 from .decode import DecodeStats, Eagle3Proposer, NgramProposer, NoProposer, greedy_generate, speculative_generate
 from .domains import domain_prompts, render_capped  # render_prompt: the chat template -> token ids
 from .engine import engine_kwargs
-from .files import check_run_links, update_metrics
+from .files import check_run_links, read_metrics, update_metrics
 from .layout import RunLayout
 from .params import host_memory_bytes, load_params
 from .progress import tqdm
 from .target import checkpoint_weight_bytes, eos_ids, load_target, load_tokenizer, target_path
-from .verdict import PLAIN, best_method, breadth_verdict, eagle3_verdict, ngram_verdict, row_of
+from .verdict import PLAIN, best_method, breadth_verdict, eagle3_verdict, export_check, ngram_verdict, row_of
 from .vllm_bench import BenchSpec, GroupSpec, ModeSpec, mode, run_vllm
 
 # ---------------------------------------------------------------------------------------------
@@ -625,9 +625,10 @@ def ngram_metrics(summary, vllm_summary, setup: "EvalSetup", max_new_tokens: int
 
 
 def eval_metrics(summary, vllm_summary, setup: "EvalSetup", export_dir, eagle3: str, ngram: str,
-                 max_new_tokens: int, breadth: Optional[dict] = None, run_dir=None) -> dict:
+                 max_new_tokens: int, breadth: Optional[dict] = None, run_dir=None, k: Optional[int] = None) -> dict:
     """The 05_eval section of metrics.json (written there when run_dir is given); `breadth`
-    (breadth_metrics) is stored under "breadth" when the breadth groups ran."""
+    (breadth_metrics) is stored under "breadth" when the breadth groups ran; with run_dir and k (the
+    drafts per round decoded), "export_check" compares vLLM's acceptance with 04's replayed one."""
     def pick(table, method, key):
         r = row_of(table, method)
         return None if r is None else (float(r[key]) if not isinstance(r[key], list) else [float(x) for x in r[key]])
@@ -656,6 +657,11 @@ def eval_metrics(summary, vllm_summary, setup: "EvalSetup", export_dir, eagle3: 
         out.update(acceptance_length_vllm=None, speedup_vllm_eagle3=None, speedup_vllm_ngram=None)
     if breadth is not None:
         out["breadth"] = breadth
+    if run_dir is not None and k is not None:
+        trained = read_metrics(Path(run_dir) / "metrics.json").get("train", {})
+        out["export_check"] = export_check(out["acceptance_length_vllm"],
+                                           trained.get("eval_acceptance_replayed_decode_k"),
+                                           trained.get("eval_decode_k"), k)
     if run_dir is not None:
         update_metrics(run_dir, "eval", out)
     return out

@@ -18,9 +18,9 @@ import dataclasses
 from typing import Optional
 
 from .params import Params
+from .preflight import PREFETCH_FACTOR  # batches.micro_batch_loader's, per DataLoader worker
 
 HEADROOM = 0.20          # memory.HEADROOM: a trainer must leave this share of its budget free
-PREFETCH_FACTOR = 2      # batches.micro_batch_loader's, per DataLoader worker
 
 
 def staging_bound_bytes(hidden_size: int, batch_tokens: int, num_workers: int, world: int = 1) -> int:

@@ -420,17 +420,21 @@ def add_feature_noise(prepared: dict, std: float, scale: Optional[torch.Tensor],
 # ==== held-out evaluation ======================================================================
 @torch.no_grad()
 def heldout_scores(model: nn.Module, batches: list, ttt_steps: int, amp, max_answer_tokens: Optional[int] = None,
-                   reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> dict:
+                   reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                   decode_k: Optional[int] = None) -> dict:
     """Per-step soft-CE loss, top-1 accuracy and the acceptance estimate on prepared batches, and
     `acceptance_replayed`: chain decoding with k = ttt_steps replayed on each sequence's first
-    answer (replay_chain), which counts acceptance where decoding measures it.
+    answer (replay_chain), which counts acceptance where decoding measures it; with decode_k (the
+    k that 05 decodes with, at most ttt_steps) also `acceptance_replayed_decode_k`, replayed at that
+    k: the figure 05's vLLM acceptance is compared with.
     reduce: sums a CPU tensor over torchrun ranks, when each rank holds a share of the held-out
     set (heldout_batches with rank / world); batches marked "filler" run the model (every rank
     runs as many forwards) and are not counted."""
     was_training = model.training
     model.eval()
     stats = torch.zeros(ttt_steps, 3, dtype=torch.float64)
-    rounds = accepted = 0
+    replay_k = ttt_steps if decode_k is None else decode_k
+    rounds = accepted = rounds_k = accepted_k = 0
     for batch in batches:
         with amp():
             _, s, correct = model(batch, torch.ones(ttt_steps, dtype=torch.float64), flags=True)
@@ -442,15 +446,20 @@ def heldout_scores(model: nn.Module, batches: list, ttt_steps: int, amp, max_ans
             sel = b == row
             r, a = replay_chain(u[sel], correct[sel], ttt_steps, max_answer_tokens)
             rounds, accepted = rounds + r, accepted + a
+            r, a = replay_chain(u[sel], correct[sel], replay_k, max_answer_tokens)
+            rounds_k, accepted_k = rounds_k + r, accepted_k + a
     model.train(was_training)
     if reduce is not None:
         stats = reduce(stats)
-        rounds, accepted = (int(x) for x in reduce(torch.tensor([rounds, accepted], dtype=torch.int64)))
+        counts = reduce(torch.tensor([rounds, accepted, rounds_k, accepted_k], dtype=torch.int64))
+        rounds, accepted, rounds_k, accepted_k = (int(x) for x in counts)
     n = stats[:, 2].clamp(min=1)
     acc = (stats[:, 1] / n).tolist()
     return {"loss": (stats[:, 0] / n).tolist(), "acc": acc, "acceptance_estimate": acceptance_estimate(acc),
             "acceptance_replayed": 1.0 + accepted / max(1, rounds), "replay_rounds": rounds,
-            "positions": stats[:, 2].tolist()}
+            "positions": stats[:, 2].tolist(),
+            **({} if decode_k is None else {"decode_k": decode_k,
+                                            "acceptance_replayed_decode_k": 1.0 + accepted_k / max(1, rounds_k)})}
 
 
 class HeldOutBatches:

@@ -1,5 +1,6 @@
 """Capacity planner: how many tokens, how many bytes, how many hours per stage, before anything runs,
-and what would stop the full run (full_run_problems: disk, host memory, schedule, thinking mode).
+and what would stop the full run (full_run_problems: disk, host memory, schedule, thinking mode, and
+preflight.py's checks on this machine: tokenizer, lm_head, /dev/shm, the cache disk's read rate).
 
 Everything here is arithmetic on the params profile plus stated rates. It imports nothing heavy so
 `eagle3 plan` answers at once. The per-stage time model (engine starts, I/O, verification, decode
@@ -43,6 +44,7 @@ from .params import (
     regen_cap_problem,
     warmup_problem,
 )
+from .preflight import cache_read_rate, preflight_checks, preflight_table
 from .stage_times import (
     KNOWN_CHECKPOINT_BYTES,
     Workload,
@@ -310,7 +312,8 @@ def heldout_host_bytes(p: Params, shape: Shape, tok_per_conv: float) -> float:
 
 def capacity_plan(p: Params, stats: Optional[DataStats] = None, memory: bool = True,
                   sources: Optional[list] = None, layout: Optional[RunLayout] = None,
-                  host_kind: Optional[str] = None, recorded: Optional[list] = None, modes: bool = True) -> dict:
+                  host_kind: Optional[str] = None, recorded: Optional[list] = None, modes: bool = True,
+                  preflight: bool = True) -> dict:
     """The plan as a flat dict of named quantities (bytes, tokens, seconds); `stats`: the run's
     measured data stats (measured_stats), used when they match the profile's data params.
     sources: count_sources(p) (counted here when None); layout: the run folder whose measured rates
@@ -319,8 +322,11 @@ def capacity_plan(p: Params, stats: Optional[DataStats] = None, memory: bool = T
     | "avx2"; default this CPU's) from those recorded runs (default bench/recorded_stage_times.json).
     "stages": {stage: {"seconds", "optional", "parts": [{"name", "seconds", "basis"}]}}; keys ending
     in "_basis" say "measured ..." or "assumed ...". modes: add "modes" (mode_plan: offline against
-    online, each layout's hours, disk and per-GPU memory; plans the other extract.mode too)."""
+    online, each layout's hours, disk and per-GPU memory; plans the other extract.mode too).
+    preflight: add "preflight" (preflight.py's checks on this machine: tokenizer, lm_head, /dev/shm,
+    disk read), whose refusals full_run_problems reports."""
     shape = target_shape(p)
+    layout = layout or p.layout()
     sources = count_sources(p) if sources is None else sources
     n_conv = train_conversations(p, sources)
     tok_per_conv = tokens_per_conversation(p, stats, n_conv)
@@ -347,10 +353,15 @@ def capacity_plan(p: Params, stats: Optional[DataStats] = None, memory: bool = T
                     extract_tokens=tokens, cache_bytes=cache_bytes, train_tokens=train_tokens,
                     tokens_per_chat=tok_per_conv, planned_steps=steps, active_params=shape.active_params,
                     total_params=shape.total_params, checkpoint_bytes=ckpt_bytes, checkpoint_basis=ckpt_basis,
-                    drafter_flops_per_token=flops, served_tokens=train_tokens if online else 0.0,
+                    drafter_flops_per_token=flops, cache_bytes_per_token=bytes_per_token,
+                    served_tokens=train_tokens if online else 0.0,
                     served_bytes=train_tokens * (4 * shape.hidden_size * engine_elem + 8) if online else 0.0)
     host = host_for(p, shape.num_gpus, host_kind, recorded)
-    stages = stage_seconds(p, work, host, measured_rates(p, layout or p.layout(), stats))
+    measured = measured_rates(p, layout, stats)
+    read_rate, read_basis = cache_read_rate(layout)
+    if read_basis.startswith("measured"):
+        measured["cache_read"] = (read_rate, read_basis)
+    stages = stage_seconds(p, work, host, measured)
     rates = {st.rate[0]: st.rate for st in stages.values() if st.rate is not None}
     none = (None, None, "not run by this profile", 0.0)
     regen, extract, train = (rates.get(k, none) for k in ("regen", "extract", "train"))
@@ -391,18 +402,22 @@ def capacity_plan(p: Params, stats: Optional[DataStats] = None, memory: bool = T
         "train_rate_basis": train[2],
         "train_hours": train[3] / 3600,
         "train_budget_hours": None if p.train.time_budget_minutes is None else p.train.time_budget_minutes / 60,
+        "cache_read_bytes_per_s": read_rate,
+        "cache_read_basis": read_basis,
         "throughput_basis": host_basis(host),
         "gpu_memory_gb": p.train.gpu_memory_gb,
         "stages": {name: st.as_dict() for name, st in stages.items()},
         "total_hours": sum(st.seconds for st in stages.values() if not st.optional) / 3600,
     }
+    if preflight:
+        plan["preflight"] = [c.as_dict() for c in preflight_checks(p, plan)]
     plan["problems"] = full_run_problems(p, plan, layout)
     if memory:
         plan["memory"] = memory_plan(p)
     if modes:
         other = dataclasses.replace(p, extract=dataclasses.replace(
             p.extract, mode="offline" if online else "online", online_gpus=None))
-        twin = capacity_plan(other, stats, False, sources, layout, host_kind, recorded, modes=False)
+        twin = capacity_plan(other, stats, False, sources, layout, host_kind, recorded, modes=False, preflight=False)
         plan["modes"] = mode_plan(p, {p.extract.mode: plan, other.extract.mode: twin}, host.gpus, memory)
     return plan
 
@@ -479,6 +494,7 @@ def format_plan(plan: dict) -> str:
     rows += stage_rows(plan)
     rows += mode_rows(plan)
     rows += memory_rows(plan)
+    rows += preflight_table(plan)
     rows += problem_rows(plan)
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -571,7 +587,8 @@ def full_run_problems(p: Params, plan: dict, layout: Optional[RunLayout] = None)
     """[(level "refuse" | "warn", key, text)]: what would stop (or spoil) the full run although its
     smoke slice would pass: warmup longer than MAX_WARMUP_FRACTION of the planned steps, no
     intermediate checkpoint, a disk too small for the caches, host memory too small for the held-out
-    set, thinking-mode answers cut by regen_max_new_tokens."""
+    set, thinking-mode answers cut by regen_max_new_tokens; and the plan's preflight refusals and
+    warnings (tokenizer, lm_head, /dev/shm, disk read: preflight.py), keyed "preflight <check>"."""
     layout = layout or p.layout()
     train_params, steps, out = p.train, plan["planned_steps"], []
     warmup = planned_warmup(train_params, steps)
@@ -596,6 +613,8 @@ def full_run_problems(p: Params, plan: dict, layout: Optional[RunLayout] = None)
     thinking = thinking_problem(p)
     if thinking is not None:
         out.append(thinking)
+    out += [(c["verdict"], f"preflight {c['name']}", c["text"]) for c in plan.get("preflight", [])
+            if c["verdict"] in ("refuse", "warn")]
     available = plan["available_chats"] - p.data.num_eval
     if p.data.num_train is not None and p.data.num_train > available:
         out.append(("warn", "data.num_train", f"{p.data.num_train:,} asked, the sources hold {max(available, 0):,} "

@@ -28,6 +28,10 @@ Rules (documented choices):
   the chat is dropped (counted `dropped_empty`).
 - A turn whose prompt already has `data.max_length` tokens or more is not generated (training
   would truncate it away); if that is the first turn the chat is dropped (`dropped_too_long`).
+- Chats with tools: every prompt is rendered with the chat's tools declaration (`tools=`), so the
+  target answers with its own tool-call markers, which the generated ids keep. The chat ends after an
+  answer that the dataset's tool results follow (counted `cut_at_tool_result` when it would have gone
+  on): those results answer the dataset's calls, not the target's.
 
 Backends: vLLM when `regen_backend` is "vllm", or "auto" and vllm is importable; it runs in a
 subprocess (`python -m eagle3lib.regenerate`) so that its engine and memory go away afterwards.
@@ -95,16 +99,19 @@ def regen_key(params) -> str:
 def prompt_key(chat: dict, max_turns: int) -> str:
     """What one chat's regenerated answers depend on besides the settings in regen_key: its id (the
     sampling seed of every turn is derived from it) and the prompt turns the target is asked to
-    answer (the system message and the first `max_turns` user turns, roles and texts)."""
+    answer (the system message and the first `max_turns` user turns, roles and texts, up to the first
+    tool result) and, for a chat with tools, its tools list."""
     prompts, users = [], 0
     for m in chat["messages"]:
+        if m["role"] == "tool":   # regeneration ends before the first tool result
+            break
         if m["role"] == "user":
             if users == max_turns:
                 break
             users += 1
         if m["role"] != "assistant":
             prompts.append([m["role"], m["content"]])
-    blob = json.dumps([chat["id"], prompts], ensure_ascii=False)
+    blob = json.dumps([chat["id"], prompts] + ([chat["tools"]] if chat.get("tools") else []), ensure_ascii=False)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:32]
 
 
@@ -153,14 +160,14 @@ def _start(chat: dict, max_turns: int) -> dict:
     """The regeneration state of one chat: its history up to the first answer, nothing generated."""
     msgs = chat["messages"]
     first = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
-    return {"id": chat["id"], "key": prompt_key(chat, max_turns),
+    return {"id": chat["id"], "key": prompt_key(chat, max_turns), "tools": chat.get("tools"),
             "source": msgs, "next": first,  # index of the next answer
             "history": [dict(m) for m in msgs[:first]], "done": False, "turns": 0, "asked": 0,
             "new_tokens": 0, "capped": False, "empty_outputs": 0, "status": "ok",
             "ids": [],                      # the sequence so far: prompt and generated ids of the turns taken
             "prompt_ids": [], "output_ids": [],   # per turn taken: the ids its prompt added, the ids generated
             "asking": None,                 # the prompt ids of the turn in flight
-            "inconsistent": False}
+            "inconsistent": False, "cut_at_tool": False}
 
 
 def _next_prompt(s: dict, tokenizer, max_length: int, thinking: str) -> Optional[list]:
@@ -168,7 +175,7 @@ def _next_prompt(s: dict, tokenizer, max_length: int, thinking: str) -> Optional
     more (training would truncate the answer away; the chat is dropped when it is the first), or
     when it does not extend the sequence so far (the template re-renders the history differently
     from what the target generated: the chat ends here, `inconsistent`)."""
-    ids = prompt_ids(tokenizer, s["history"], thinking)
+    ids = prompt_ids(tokenizer, s["history"], thinking, s["tools"])
     if len(ids) >= max_length:
         s["done"] = True
         if s["asked"] == 0:
@@ -214,6 +221,8 @@ def _take_answer(s: dict, output_ids: list, capped: bool, tokenizer, max_turns: 
     nxt = s["next"] + 2  # the following answer; the user turn before it comes first
     if capped or turn + 1 >= max_turns or nxt >= len(s["source"]):
         s["done"] = True
+    elif s["source"][s["next"] + 1]["role"] == "tool":   # the dataset's results answer the dataset's calls
+        s["done"] = s["cut_at_tool"] = True
     else:
         s["history"].append(dict(s["source"][s["next"] + 1]))
         s["next"] = nxt
@@ -227,6 +236,7 @@ def _result(s: dict) -> dict:
     return {"id": s["id"], "key": s["key"], "messages": s["history"] if ok else [],
             "status": s["status"], "turns": s["turns"], "new_tokens": s["new_tokens"],
             "capped": s["capped"], "empty_outputs": s["empty_outputs"], "inconsistent": s["inconsistent"],
+            "cut_at_tool": s["cut_at_tool"],
             "prompt_ids": s["prompt_ids"] if ok else [], "output_ids": s["output_ids"] if ok else []}
 
 
@@ -246,7 +256,8 @@ def regenerate_batch(chats: list[dict], generate: Generator, tokenizer, max_turn
     """Regenerate up to `max_turns` assistant turns of each chat, all chats of a turn in one call.
 
     Returns one result per chat: {"id", "key" (prompt_key), "messages", "status": ok|empty|too_long,
-    "turns", "new_tokens", "capped", "empty_outputs", "inconsistent", "prompt_ids", "output_ids"}."""
+    "turns", "new_tokens", "capped", "empty_outputs", "inconsistent", "cut_at_tool", "prompt_ids",
+    "output_ids"}."""
     state = [_start(chat, max_turns) for chat in chats]
     for turn in range(max_turns):
         active = [s for s in state if not s["done"] and _next_prompt(s, tokenizer, max_length, thinking) is not None]
@@ -480,7 +491,7 @@ def regenerate_chats(params, run_dir, chats: list[dict], progress: bool = True) 
         if r["status"] == "ok":
             input_ids, loss_mask = token_sequence(r)
             kept.append({"id": chat["id"], "messages": r["messages"], "input_ids": input_ids,
-                         "loss_mask": loss_mask})
+                         "loss_mask": loss_mask, **({"tools": chat["tools"]} if chat.get("tools") else {})})
     picked = [results[keys[c["id"]]] for c in chats]
     stats = {"backend": backend, "conversations": len(chats), "regenerated": len(pending),
              "from_cache": from_cache, "kept": len(kept),
@@ -488,6 +499,7 @@ def regenerate_chats(params, run_dir, chats: list[dict], progress: bool = True) 
              "empty_outputs": sum(r["empty_outputs"] for r in picked),
              "capped": sum(bool(r["capped"]) for r in picked),
              "cut_inconsistent": sum(bool(r["inconsistent"]) for r in picked),
+             "cut_at_tool_result": sum(bool(r.get("cut_at_tool")) for r in picked),
              "assistant_turns": sum(r["turns"] for r in picked),
              "new_tokens_total": sum(r["new_tokens"] for r in picked),
              "new_tokens_this_run": run["new_tokens"], "seconds_this_run": run["seconds"],

@@ -114,7 +114,7 @@ def run_pipeline(params_path: str, only: Optional[str] = None, run_name: Optiona
     params_file = str(resolve_path(params_path).resolve())
     notebooks_dir = Path(notebooks_dir or repo_root() / "notebooks")
     layout = checked_layout(p, run_name)
-    refuse_full_run(p, layout, log)               # disk, host memory, warmup, thinking cut: before any stage
+    refuse_full_run(p, layout, log)               # disk, host memory, warmup, thinking cut, preflight: before any stage
     with run_lock(layout.root, log=log):
         record_run(p, layout, params_file)
         expected = expected_seconds(p, layout)
@@ -344,11 +344,22 @@ def run_smoke(params_path: str, only: Optional[str] = None, run_name: Optional[s
                 if stage == "train":
                     leg2, resumed = resume_leg(p, layout, notebooks_dir, stage_parameters, html, log)
                     results.append(leg2)
+                if stage == "eval":
+                    check_export(layout)
             finished = True
         finally:
             update_metrics(layout.root, "smoke", smoke_report(p, full, layout, results, resumed, finished,
                                                               plan_smoke, plan_full))
     return results, read_metrics(layout.metrics)["smoke"]
+
+
+def check_export(layout: RunLayout) -> None:
+    """Stop the smoke run where 05's vLLM acceptance falls below 04's replayed acceptance at the same
+    k by more than the tolerance (verdict.export_check): in bf16 on the box the exactness checks are
+    waived, and a wrong export would otherwise show only as a low acceptance in the full run."""
+    check = read_metrics(layout.metrics).get("eval", {}).get("export_check") or {}
+    if check.get("ok") is False:
+        raise RuntimeError(f"smoke: {check['note']}")
 
 
 def smoke_header(full: Params, smoke: Params, full_params_path: str) -> dict:
@@ -450,7 +461,8 @@ def smoke_report(p: Params, full: Params, layout: RunLayout, results: list, resu
                 row["planned_full_at_smoke_rates_s"] = round(planned["rates"][label][0], 1)
         rows.append(row)
     return {"stages": rows, "complete": finished, "failed_stage": None if finished else (failed or [None])[0],
-            "resume": resumed, "plan_smoke_hours": plan_hours(plan_smoke), "plan_full_hours": plan_hours(plan_full),
+            "resume": resumed, "export_check": metrics.get("eval", {}).get("export_check"),
+            "plan_smoke_hours": plan_hours(plan_smoke), "plan_full_hours": plan_hours(plan_full),
             "plan_full_at_smoke_rates_hours": plan_hours(plan_rates)}
 
 
@@ -468,5 +480,7 @@ def format_smoke(report: dict) -> str:
                      f"{res['steps']}; final drafter bit-equal to the uninterrupted leg's: "
                      f"{res['final_weights_equal']} (largest relative difference "
                      f"{res['final_weights_max_rel_diff']:.1e}; matches: {res['final_weights_match']})")
+    if report.get("export_check"):
+        lines.append(f"export check: {report['export_check']['note']}")
     lines.append(f"branches equal to the full run's (smoke.branches): {report.get('branches_equal_full_run')}")
     return "\n".join(lines)

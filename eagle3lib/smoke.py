@@ -15,6 +15,7 @@ backends, reference decoder, scaling study, ...) is the same for both. Training 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -31,6 +32,7 @@ class Slice:
     eval_chats: int = 8             # held-out chats (data.num_eval)
     records_per_chat: int = 20      # raw records read per chat needed (ci reads 600 for 32)
     steps: int = 20                 # optimizer steps; a checkpoint half way, the second leg resumes it
+    sequence_tokens: int = 256      # data.max_length, and the micro-batch (train.batch_tokens) holds one such
     eval_prompts: int = 8           # 05 (and 01): held-out prompts
     new_tokens: int = 32            # tokens per generated answer (regeneration, 01, 05)
     breadth_prompts: int = 2        # prompts per breadth group (05)
@@ -42,9 +44,10 @@ SLICE = Slice()
 SIZE_FIELDS = frozenset({
     "run_name", "description",
     "data.source", "data.max_records", "data.num_train", "data.num_eval", "data.regen_max_new_tokens",
-    "data.regen_num_train",
+    "data.regen_num_train", "data.max_length",
     "extract.shard_tokens",
-    "train.max_steps", "train.checkpoint_every", "train.checkpoint_fraction", "train.warmup_steps",
+    "train.batch_tokens", "train.max_steps", "train.checkpoint_every", "train.checkpoint_fraction",
+    "train.warmup_steps",
     "train.eval_sequences",
     "train.max_sequences", "train.resume",
     "eval.num_prompts", "eval.vllm_prompts", "eval.decoder_prompts", "eval.max_new_tokens",
@@ -63,6 +66,21 @@ def _cap(value: Optional[int], limit: int) -> int:
     return limit if value is None else min(value, limit)
 
 
+def train_ranks(p: Params) -> int:
+    """The trainer's processes: train.nproc under ddp / fsdp, else one."""
+    return p.train.nproc if p.train.distributed != "none" else 1
+
+
+def smoke_chats(p: Params, s: Slice, sequence_tokens: int, new_tokens: int) -> int:
+    """Training chats of the slice: s.chats, or more where the ranks need them. An optimizer step
+    takes one micro-batch per rank and grad_accum step; a micro-batch of sequence_tokens holds k
+    sequences only when each is at most sequence_tokens / k long, and a slice sequence holds at least
+    its answer (new_tokens), so per_step x ceil(sequence_tokens / new_tokens) chats give every step
+    its micro-batches (8 ranks: 64 chats at 256 tokens and 32-token answers)."""
+    per_step = train_ranks(p) * p.train.grad_accum
+    return max(s.chats, per_step * math.ceil(sequence_tokens / max(1, new_tokens)))
+
+
 def _capped_sources(source: Any, records: int) -> Any:
     """data.source with every listed source capped at its share of `records` raw records, so each
     source of a list is still read (a global cap would stop inside the first one)."""
@@ -77,13 +95,16 @@ def smoke_params(p: Params, run_name: Optional[str] = None, s: Slice = SLICE) ->
     """The smoke profile of `p`: every field outside SIZE_FIELDS unchanged; the sizes of `s` (or
     `p`'s own where smaller); run_name `run_name` or "<p.run_name>-smoke"; validated."""
     d, x, train_params, e, sc = p.data, p.extract, p.train, p.eval, p.scaling
-    num_train = _cap(d.num_train, s.chats)
-    num_eval = min(d.num_eval, s.eval_chats)
-    records = (num_train + num_eval) * s.records_per_chat
-    # A target that may think keeps its answer cap: cut to a few tokens, thinking answers would be
-    # refused (params.regen_cap_problem), and their length is what the smoke run should time.
+    # A target that may think keeps its answer cap and sequence length: cut to a few tokens, thinking
+    # answers would be refused (params.regen_cap_problem), and their length is what the smoke run
+    # should time. Otherwise sequences are cut at s.sequence_tokens, and the micro-batch holds one of
+    # them (train.batch_tokens >= data.max_length), so that the slice fills every rank's micro-batches.
     may_think = d.thinking != "off" and regen_cap_problem(d, thinking=True) is None
     new_tokens = d.regen_max_new_tokens if may_think else min(d.regen_max_new_tokens, s.new_tokens)
+    max_length = d.max_length if may_think else min(d.max_length, s.sequence_tokens)
+    num_train = _cap(d.num_train, smoke_chats(p, s, max_length, new_tokens))
+    num_eval = min(d.num_eval, s.eval_chats)
+    records = (num_train + num_eval) * s.records_per_chat
     # partial regeneration (regen_num_train < num_train) stays partial: half the smoke chats
     regen_num_train = None if d.regen_num_train is None else (
         min(d.regen_num_train, num_train) if d.num_train is not None and d.regen_num_train >= d.num_train
@@ -92,14 +113,16 @@ def smoke_params(p: Params, run_name: Optional[str] = None, s: Slice = SLICE) ->
     prompts = min(e.num_prompts, s.eval_prompts)
     data = dataclasses.replace(
         d, source=_capped_sources(d.source, records), max_records=_cap(d.max_records, records),
-        num_train=num_train, num_eval=num_eval, regen_max_new_tokens=new_tokens, regen_num_train=regen_num_train)
+        num_train=num_train, num_eval=num_eval, regen_max_new_tokens=new_tokens, regen_num_train=regen_num_train,
+        max_length=max_length)
     # several cache shards, as the full run has: about a few answers' worth of tokens per shard
     extract = dataclasses.replace(x, shard_tokens=min(x.shard_tokens, num_train * new_tokens))
     # a checkpoint half way (checkpoint_fraction replaces checkpoint_every where the profile sets it)
     cadence = {"checkpoint_fraction": 0.5} if train_params.checkpoint_fraction is not None else \
         {"checkpoint_every": max(1, steps // 2)}
     train = dataclasses.replace(
-        train_params, max_steps=steps, **cadence, warmup_steps=min(train_params.warmup_steps, max_warmup_steps(steps)),
+        train_params, max_steps=steps, **cadence, batch_tokens=min(train_params.batch_tokens, max_length),
+        warmup_steps=min(train_params.warmup_steps, max_warmup_steps(steps)),
         eval_sequences=min(train_params.eval_sequences, num_eval), resume=True,
         max_sequences=None if train_params.max_sequences is None else min(train_params.max_sequences, num_train))
     evals = dataclasses.replace(

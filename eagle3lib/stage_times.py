@@ -5,8 +5,9 @@
 
 A stage's time is the sum of its parts: the notebook kernel, each engine start (vLLM engines in
 01, 02, 03 and 05 counted from the profile, each loading the checkpoint), the work itself at a
-rate, and I/O (the hidden-state cache written, copied, hashed and verified). Every part carries
-its basis, starting with "measured" or "assumed".
+rate, and I/O (the hidden-state cache written, copied, hashed and verified; on GPUs 04's reads of it,
+which overlap its compute: 04 takes the larger). Every part carries its basis, starting with
+"measured" or "assumed".
 
 - This CPU (no cuda device in the profile): the rates are those of the newest recorded run on
   this host kind (bench/recorded_stage_times.json: native bf16 or AVX2-only), scaled to the
@@ -97,13 +98,17 @@ HASH_BASIS = (f"measured ({HASH_BYTES_PER_S / 1e9:g} GB/s per sha256 thread, ben
 # written and is read from the page cache; on a GPU box it is not, and the threads share the disk.
 VERIFY_THREADS = 8
 BOX_CACHE_READ_BYTES_PER_S = 5e9      # assumed: the cache disk's read rate on a GPU node (NVMe)
+BOX_CACHE_READ_BASIS = (f"assumed ({BOX_CACHE_READ_BYTES_PER_S / 1e9:g} GB/s: the cache disk's read rate on a GPU "
+                        "node, NVMe; stage_times.BOX_CACHE_READ_BYTES_PER_S)")
+# 04 reads the cache while it trains (train_stage; preflight.py measures the rate where the cache is)
+CACHE_READ_PART = "cache read"
 # A vLLM engine start on GPUs: fixed (processes, TP/EP groups, profiling run, CUDA graphs unless
 # enforce_eager) plus the checkpoint read.
 ENGINE_FIXED_S = 120.0           # assumed
 ENGINE_LOAD_S_PER_GB = 0.5       # assumed: 2 GB/s from local NVMe or the page cache into the 8 GPUs
 # Checkpoint bytes of known targets not on this machine (by hidden size): Kimi-K2.5 ships INT4
-# experts, ~554 GB of safetensors.
-KNOWN_CHECKPOINT_BYTES = {7168: 554e9}
+# experts, ~595 GB of safetensors as published (the figure used before, 554 GB, was ~7 % low).
+KNOWN_CHECKPOINT_BYTES = {7168: 595e9}
 
 
 @dataclass
@@ -148,6 +153,7 @@ class Workload:
     checkpoint_bytes: float      # the target's weights on disk (engine loads)
     checkpoint_basis: str
     drafter_flops_per_token: float
+    cache_bytes_per_token: float = 0.0   # one cached token on disk (aux + final states, id, mask)
     served_tokens: float = 0.0   # extract.mode online: tokens the server prefills during training
     served_bytes: float = 0.0    # and the connector files it writes for them (staging, deleted once read)
 
@@ -514,6 +520,24 @@ def train_stage(p: Params, work: Workload, host: Host, stage: Stage, measured: d
     else:
         stage.add(f"train {work.planned_steps:,} steps, {work.train_tokens:,.0f} tokens at {rate:,.0f} tok/s",
                   seconds, basis)
+        if host.gpus and not work.served_tokens:
+            cache_read_part(work, stage, measured, seconds)
+
+
+def cache_read_part(work: Workload, stage: Stage, measured: dict, compute_s: float) -> None:
+    """Offline on GPUs, 04's DataLoader workers read the cache while the ranks compute, so 04 takes the
+    larger of the two: the part is what the read (train tokens x bytes per cached token at the disk's
+    rate: measured["cache_read"], else BOX_CACHE_READ_BYTES_PER_S) takes beyond the compute, 0 when the
+    compute hides it. On this CPU the recorded training rates already include their reads."""
+    rate, basis = measured.get("cache_read") or (BOX_CACHE_READ_BYTES_PER_S, BOX_CACHE_READ_BASIS)
+    read_bytes = work.train_tokens * work.cache_bytes_per_token
+    read_s = read_bytes / rate
+    how = (f"{read_bytes / 1e9:,.0f} GB at {rate / 1e9:,.1f} GB/s take {read_s:,.0f} s against the compute's "
+           f"{compute_s:,.0f} s")
+    if read_s > compute_s:
+        stage.add(f"{CACHE_READ_PART} beyond the compute ({how}: the disk bounds 04)", read_s - compute_s, basis)
+    else:
+        stage.add(f"{CACHE_READ_PART} ({how}: hidden under it by the DataLoader workers)", 0.0, basis)
 
 
 SERVED_PART = "server prefill"      # mode_plan.py finds the online part of the train stage by this name

@@ -51,6 +51,7 @@ class RegenStats:
     train_regenerated: int
     train_original_answers: int
     cut_inconsistent: int = 0         # chats ended before a turn whose prompt did not extend the sequence
+    cut_at_tool_result: int = 0       # chats ended after an answer the dataset's tool results follow
 
     @classmethod
     def from_json(cls, d: dict) -> "RegenStats":
@@ -87,6 +88,8 @@ class DataStats:
     coverage_curve: dict[str, float]  # str(draft vocabulary size) -> coverage of the train answers
     seconds: float
     sources: list = field(default_factory=list)   # per data.source item: read, valid, malformed by reason
+    tool_chats: int = 0               # valid chats that declare tools (chats.normalize_record)
+    tools_ignored: int = 0            # train and eval chats with tools or tool calls the template does not render
     cached: bool = False              # not stored: prepare_data returned the stored stats
 
     def to_json(self) -> dict:
@@ -108,7 +111,8 @@ class DataStats:
                    regen=None if d["regen"] is None else RegenStats.from_json(d["regen"]),
                    coverage_train=float(d["coverage_train"]), coverage_eval=float(d["coverage_eval"]),
                    coverage_curve={str(k): float(v) for k, v in d["coverage_curve"].items()},
-                   seconds=float(d["seconds"]), sources=list(d.get("sources", [])))
+                   seconds=float(d["seconds"]), sources=list(d.get("sources", [])),
+                   tool_chats=int(d.get("tool_chats", 0)), tools_ignored=int(d.get("tools_ignored", 0)))
 
 
 def load_stats(run_dir) -> DataStats:

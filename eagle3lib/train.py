@@ -410,8 +410,9 @@ def heldout_eval(run: TrainRun) -> dict:
     set, the sums are reduced over ranks (the same numbers as one process scoring all of it)."""
     def sum_over_ranks(x: torch.Tensor) -> torch.Tensor:
         return run.dist.all_sum(x.to(run.device)).cpu()              # NCCL reduces on the GPU
-    return heldout_scores(run.model, run.eval_batches, run.params.train.ttt_steps, run.scoring.amp,
-                          reduce=sum_over_ranks)
+    ttt_steps, decode_k = run.params.train.ttt_steps, run.params.eval.k
+    return heldout_scores(run.model, run.eval_batches, ttt_steps, run.scoring.amp, reduce=sum_over_ranks,
+                          decode_k=decode_k if decode_k <= ttt_steps else None)
 
 
 def resume(run: TrainRun) -> None:
@@ -584,6 +585,8 @@ def train_metrics(summary: dict, history: list, train_params: TrainParams) -> di
             "eval_step_acc": [round(a, 4) for a in ev.get("acc", [])],
             "eval_acceptance_estimate": rounded(ev.get("acceptance_estimate")),
             "eval_acceptance_replayed": rounded(ev.get("acceptance_replayed")),
+            "eval_decode_k": ev.get("decode_k"),                       # 05's k, where 04 could replay it
+            "eval_acceptance_replayed_decode_k": rounded(ev.get("acceptance_replayed_decode_k")),
             "train_tokens_per_s": rounded(speed[-1] if speed else None, 1),
             "ttt_steps": train_params.ttt_steps, "draft_layers": train_params.draft_layers,
             "dtype": train_params.dtype, "world_size": summary["world_size"],

@@ -7,8 +7,8 @@ this runs without torch). docs/architecture.md states the map; this file enforce
   `batches`, `checkpoints`, `muon`, `memory`), directly or through another module;
 - training and evaluation read the cache through `cache`, never through the extraction stage;
 - committed notebooks carry no outputs;
-- the light modules (`params`, `layout`, `files`, `plan`, `mode_plan`, `cli`, `stage_times`) load no heavy
-  package (torch, transformers, vllm, datasets, ...) at import time, directly or through another
+- the light modules (`params`, `layout`, `files`, `plan`, `mode_plan`, `cli`, `stage_times`, `preflight`) load no
+  heavy package (torch, transformers, vllm, datasets, ...) at import time, directly or through another
   eagle3lib module.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "eagle3lib"
 HEAVY = {"torch", "transformers", "vllm", "datasets", "safetensors", "numpy", "pandas", "matplotlib",
          "papermill", "nbformat", "pyarrow", "gguf", "ipywidgets", "tqdm"}
-LIGHT = ("params", "layout", "files", "plan", "mode_plan", "cli", "stage_times")
+LIGHT = ("params", "layout", "files", "plan", "mode_plan", "cli", "stage_times", "preflight")
 INFERENCE = ("decode", "export", "evaluate", "verdict")
 TRAINING = ("train", "objective", "batches", "checkpoints", "muon", "memory")
 ENTRY_POINTS = ("runner", "cli")

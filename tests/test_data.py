@@ -78,7 +78,8 @@ MALFORMED = [
     ("wrong_type", {"messages": [{"role": "user"}]}),
     ("missing_role", {"conversations": [{"value": "x"}]}),
     ("unknown_role", sharegpt(("human", "q"), ("bing", "a"))),
-    ("unknown_role", openai(("user", "q"), ("tool", "a"))),
+    ("unknown_role", openai(("user", "q"), ("function", "a"))),
+    ("non_alternating", openai(("user", "q"), ("tool", "a"))),   # a tool result answers a call (test_tool_chats.py)
     ("empty_turn", sharegpt(("human", "  \n"), ("gpt", "a"))),
     ("non_alternating", sharegpt(("human", "q"), ("human", "q2"), ("gpt", "a"))),
     ("non_alternating", openai(("user", "q"), ("assistant", "a"), ("assistant", "b"))),

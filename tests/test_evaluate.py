@@ -279,3 +279,15 @@ def test_skipped_reference_decoder_is_recorded_instead_of_eagle3lib_rows(tmp_pat
     assert read_metrics(RunLayout(tmp_path).metrics)["eval"] == json.loads(json.dumps(m))     # the library writes it
     assert m["eagle3lib"] == {} and m["acceptance_length_eagle3lib"] is None and m["decoder_prompts"] == 0
     assert isinstance(V.eagle3_verdict(ev.empty_summary(), None, eagle3="eagle3_k4", ngram="ngram_k4_n1-4"), str)
+
+
+def test_the_export_check_compares_vllm_with_the_replay_at_the_same_k():
+    """vLLM's acceptance may trail 04's replayed one by the tolerance; more is a suspect export; a
+    replay at another k, or no vLLM row, is not compared."""
+    from eagle3lib.verdict import EXPORT_CHECK_TOLERANCE, export_check
+    assert export_check(1.84, 1.875, 2, 2)["ok"] is True
+    assert export_check(2.10, 1.875, 2, 2)["ok"] is True                    # above the replay: fine
+    bad = export_check(1.875 - EXPORT_CHECK_TOLERANCE - 0.01, 1.875, 2, 2)
+    assert bad["ok"] is False and "export is suspect" in bad["note"]
+    assert export_check(1.5, 2.0, 7, 4)["ok"] is None and "04 replayed k = 7" in export_check(1.5, 2.0, 7, 4)["note"]
+    assert export_check(None, 2.0, 4, 4)["ok"] is None and export_check(1.9, None, None, 4)["ok"] is None

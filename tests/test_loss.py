@@ -227,6 +227,11 @@ def test_a_tiny_lk_run_raises_the_heldout_acceptance_estimate(tmp_path, token_ma
     summary = train(params, params.run_dir(), progress=False)
     after = summary["eval"]
     assert summary["steps"] == 16
+    # replayed at a smaller decoding k too (05's eval.k below train.ttt_steps): at most k + 1 per round,
+    # and never more than the replay at ttt_steps; the replay at ttt_steps itself unchanged
+    at_k1 = heldout_scores(run0.model, run0.eval_batches, params.train.ttt_steps, run0.scoring.amp, decode_k=1)
+    assert at_k1["decode_k"] == 1 and at_k1["acceptance_replayed"] == before["acceptance_replayed"]
+    assert 1.0 <= at_k1["acceptance_replayed_decode_k"] <= min(2.0, before["acceptance_replayed"])
     # measured: 1.00 -> 1.14 (kl: 1.00 -> 1.12); step 0 has ~1 % top-1 hits
     assert after["acceptance_estimate"] > before["acceptance_estimate"] + 0.05, (before, after)
     assert after["acc"][0] > before["acc"][0] + 0.05, (before, after)

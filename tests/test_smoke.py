@@ -6,9 +6,11 @@ below; the safetensors resume it does not take is test_checkpoints' and test_tra
 from __future__ import annotations
 
 import dataclasses
+import random
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import pytest
@@ -16,8 +18,25 @@ import yaml
 
 from eagle3lib.files import read_json
 from eagle3lib.layout import RunLayout
-from eagle3lib.params import checkpoint_interval, load_params, max_warmup_steps, regen_cap_problem, repo_root
-from eagle3lib.smoke import SIZE_FIELDS, branches, changed_fields, checkpoint_format, smoke_params
+from eagle3lib.params import (
+    checkpoint_interval,
+    load_params,
+    max_warmup_steps,
+    planned_warmup,
+    regen_cap_problem,
+    repo_root,
+)
+from eagle3lib.smoke import (
+    SIZE_FIELDS,
+    SLICE,
+    branches,
+    changed_fields,
+    checkpoint_format,
+    smoke_chats,
+    smoke_params,
+    train_ranks,
+)
+from eagle3lib.train import schedule
 
 ROOT = repo_root()
 PROFILES = sorted(p.name for p in (ROOT / "params").glob("*.yaml"))
@@ -44,12 +63,61 @@ def test_smoke_profile_changes_only_sizes_and_takes_the_same_branches(name):
     # a slice: never more work than the full run, and a checkpoint before the last step (the resume leg)
     assert smoke.train.max_steps <= (full.train.max_steps or 10**9) and smoke.train.max_steps <= 20
     assert checkpoint_interval(smoke.train, smoke.train.max_steps) < smoke.train.max_steps and smoke.train.resume
-    assert smoke.data.num_train <= min(full.data.num_train or 10**9, 32)
+    assert smoke.data.num_train <= min(full.data.num_train or 10**9, smoke_chats(full, SLICE, smoke.data.max_length,
+                                                                              smoke.data.regen_max_new_tokens))
     assert smoke.data.num_eval <= min(full.data.num_eval, 8) and smoke.eval.num_prompts <= 8
     assert smoke.eval.max_new_tokens <= 32 and smoke.train.warmup_steps <= max_warmup_steps(smoke.train.max_steps)
     may_think = full.data.thinking != "off" and regen_cap_problem(full.data, thinking=True) is None
     assert smoke.data.regen_max_new_tokens == full.data.regen_max_new_tokens if may_think \
         else smoke.data.regen_max_new_tokens <= 32
+
+
+def modelled_lengths(p, model: str, seed: int = 0) -> list:
+    """Sequence lengths a run of profile p produces, without running it: one per training chat, each at
+    least its answer (data.regen_max_new_tokens: the slice's answers are cut there) and at most
+    data.max_length. "shortest": every sequence its answer alone (the bound smoke_chats rests on);
+    "spread": seeded, uniform between the two; "longest": every one cut at max_length."""
+    d = p.data
+    lo, hi = min(d.regen_max_new_tokens, d.max_length), d.max_length
+    n = d.num_train or 1000                        # a profile that takes every chat: a thousand of them
+    g = random.Random(seed)
+    return {"shortest": [lo] * n, "spread": [g.randint(lo, hi) for _ in range(n)], "longest": [hi] * n}[model]
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_every_profile_trains_its_smoke_slice_and_its_full_run(name):
+    """The trainer's schedule (train.schedule, as 04 calls it) on the lengths each run would produce:
+    the smoke slice under every length model, the full run where its sequences spread or fill
+    max_length, give optimizer steps (one micro-batch per rank and grad_accum step), a warmup within
+    its bound, and for the smoke a checkpoint before the last step for the resume leg. Before the slice
+    scaled its micro-batch, b300's 32 chats at a 32,768-token micro-batch made fewer than the 8
+    micro-batches one step of 8 ranks needs: 0 steps, after an hour of engine starts."""
+    full = load_params(ROOT / "params" / name)
+    smoke = smoke_params(full)
+    runs = [(smoke, m) for m in ("shortest", "spread", "longest")] + [(full, m) for m in ("spread", "longest")]
+    for p, model in runs:
+        lengths = modelled_lengths(p, model)
+        _, per_step, steps_per_epoch, total = schedule(SimpleNamespace(lengths=lengths), p.train, p.seed,
+                                                       train_ranks(p))
+        assert per_step == train_ranks(p) * p.train.grad_accum, (p.run_name, model)
+        assert steps_per_epoch >= 1 and total >= 1, (p.run_name, model)
+        assert planned_warmup(p.train, total) <= max_warmup_steps(total)
+        if p is smoke:
+            assert total == smoke.train.max_steps and checkpoint_interval(p.train, total) < total
+
+
+def test_the_slice_of_eight_ranks_scales_its_micro_batch_and_its_chats():
+    """b300 (8 FSDP ranks): the slice cuts sequences at 256 tokens, a micro-batch holds one such, and it
+    takes 8 x ceil(256 / 32) = 64 chats, so that even 32-token sequences fill every rank's micro-batch;
+    the old slice (its 32,768-token micro-batch kept) gives no optimizer step."""
+    full = load_params(ROOT / "params" / "b300.yaml")
+    smoke = smoke_params(full)
+    assert train_ranks(smoke) == 8 and smoke.data.max_length == smoke.train.batch_tokens == 256
+    assert smoke.data.num_train == 64 and smoke.data.regen_max_new_tokens == 32
+    old = dataclasses.replace(smoke, train=dataclasses.replace(smoke.train, batch_tokens=full.train.batch_tokens),
+                              data=dataclasses.replace(smoke.data, num_train=32))
+    with pytest.raises(ValueError, match="fewer micro-batches than one optimizer step needs"):
+        schedule(SimpleNamespace(lengths=modelled_lengths(old, "spread")), old.train, old.seed, 8)
 
 
 def test_b300_smoke_keeps_the_parallel_layout_and_reads_every_source():
@@ -64,8 +132,9 @@ def test_b300_smoke_keeps_the_parallel_layout_and_reads_every_source():
     # each listed source keeps a share of the records (a global cap would stop inside the first one)
     assert len(full.data.source) >= 2
     assert [s["path"] for s in smoke.data.source] == [s["path"] for s in full.data.source]
-    assert all(1 <= s["max_records"] <= 800 // len(full.data.source) for s in smoke.data.source)
-    assert smoke.scaling.sizes == [16, 32] and smoke.extract.shard_tokens < full.extract.shard_tokens
+    records = (smoke.data.num_train + smoke.data.num_eval) * SLICE.records_per_chat
+    assert all(1 <= s["max_records"] <= records // len(full.data.source) for s in smoke.data.source)
+    assert smoke.scaling.sizes == [32, 64] and smoke.extract.shard_tokens < full.extract.shard_tokens
 
 
 def test_branches_see_what_a_wrong_slice_would_change():
@@ -175,3 +244,17 @@ def test_the_resumed_leg_matches_bit_for_bit_offline_and_within_the_tolerance_on
     assert not legs_match(False, 1e-9, "offline")                       # offline states are the same bytes
     assert legs_match(False, ONLINE_RESUME_RTOL / 2, "online")
     assert not legs_match(False, ONLINE_RESUME_RTOL * 2, "online")
+
+
+def test_the_smoke_run_stops_on_an_export_that_accepts_less_in_vllm_than_04_replayed(tmp_path):
+    """05's export check (verdict.export_check) ends the smoke run where it failed, and only there."""
+    from eagle3lib.files import update_metrics
+    from eagle3lib.runner import check_export
+    from eagle3lib.verdict import export_check
+    layout = RunLayout(tmp_path)
+    update_metrics(tmp_path, "eval", {"export_check": export_check(1.3, 1.9, 4, 4)})
+    with pytest.raises(RuntimeError, match="smoke: vLLM acceptance 1.300 vs 04's replayed 1.900 at k = 4"):
+        check_export(layout)
+    for passing in (export_check(1.85, 1.9, 4, 4), export_check(1.3, 1.9, 7, 4)):
+        update_metrics(tmp_path, "eval", {"export_check": passing})
+        check_export(layout)

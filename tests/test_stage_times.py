@@ -75,7 +75,7 @@ def test_b300_plan_marks_every_figure_and_counts_every_engine_start(tmp_path):
     for io in ("connector saves", "parent re-reads and re-writes", "writer's sha256", "verify the cache"):
         assert io in names
     text = format_plan(plan)
-    assert "stage times" in text and "03 extract" in text and "assumed (120 s + 0.5 s/GB x 554 GB" in text
+    assert "stage times" in text and "03 extract" in text and "assumed (120 s + 0.5 s/GB x 595 GB" in text
 
 
 def test_gpu_training_is_the_h200_measurement_scaled_per_gpu_kind(tmp_path):

@@ -385,6 +385,11 @@ def test_tiny_run_learns_and_writes_a_vllm_named_final_drafter(tmp_path, sharp_t
     assert last["loss"] < 0.8 * first["loss"], (first["loss"], last["loss"])
     assert len(last["step_acc"]) == 3 and summary["eval"]["acceptance_estimate"] >= 1.0
     assert 1.0 <= summary["eval"]["acceptance_replayed"] <= 4.0 and summary["eval"]["replay_rounds"] > 0
+    # 05 decodes at eval.k = 3 = ttt_steps: the replay at 05's k is the replay itself
+    assert summary["eval"]["decode_k"] == 3
+    assert summary["eval"]["acceptance_replayed_decode_k"] == summary["eval"]["acceptance_replayed"]
+    section = json.loads((params.run_dir() / "metrics.json").read_text())["train"]
+    assert section["eval_decode_k"] == 3 and section["eval_acceptance_replayed_decode_k"] is not None
     assert any("eval" in r for r in records[:-1])                           # eval at checkpoints
     final = Path(summary["final_dir"])
     # the target trained against is recorded with the drafter (export and eval check it)
