@@ -251,7 +251,7 @@ class EvalParams:
     ngram_k: list = field(default_factory=lambda: [2, 4])
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    suffix_baseline: bool = True         # 01: vLLM's suffix decoding (arctic-inference) at k = eval.k beside n-gram
+    suffix_baseline: bool = True         # vLLM's suffix decoding (arctic-inference) at k = eval.k: see suffix_stage
     use_vllm: bool = True
     # 01 measures plain, n-gram and suffix decoding in vLLM too; false: 01 runs eagle3lib's n-gram
     # sweep only, and vLLM's n-gram figure is 05's, measured beside EAGLE-3 in the same run.
@@ -739,6 +739,16 @@ def validate(p: Params) -> Params:
 # MIN_WARMUP_ALLOWED steps (tiny plumbing runs such as ci's 12 steps keep their 2 warmup steps).
 MAX_WARMUP_FRACTION = 0.1
 MIN_WARMUP_ALLOWED = 2
+
+
+def suffix_stage(e: EvalParams) -> Optional[str]:
+    """The stage that measures vLLM's suffix decoding (eval.suffix_baseline): "ngram" (01, beside its
+    vLLM plain and n-gram rows), or "eval" (05, beside EAGLE-3) where 01 runs no vLLM
+    (eval.baseline_vllm false: 05 measures plain and n-gram already); None where it is off or vLLM
+    is not used."""
+    if not (e.suffix_baseline and e.use_vllm):
+        return None
+    return "ngram" if e.baseline_vllm else "eval"
 
 
 def max_warmup_steps(planned_steps: int) -> int:

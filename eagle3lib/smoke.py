@@ -19,7 +19,15 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .params import Params, check_run_name, data_sources, max_warmup_steps, regen_cap_problem, validate
+from .params import (
+    Params,
+    check_run_name,
+    data_sources,
+    max_warmup_steps,
+    regen_cap_problem,
+    suffix_stage,
+    validate,
+)
 from .regenerate import resolve_backend as resolve_regen_backend
 
 SMOKE_SUFFIX = "-smoke"
@@ -207,7 +215,7 @@ def branches(p: Params) -> dict:
         "vLLM eval": e.use_vllm,
         "eval sampling": "greedy" if e.temperature == 0 else "sampled",
         "vLLM baseline in 01": e.baseline_vllm and e.use_vllm,
-        "suffix baseline": e.suffix_baseline and e.baseline_vllm and e.use_vllm,
+        "suffix baseline": suffix_stage(e),
         "breadth": {"domains": list(e.domains), "sample_temperatures": list(e.sample_temperatures)},
         "scaling study": {"on": bool(p.scaling.sizes), "vllm": p.scaling.vllm and e.use_vllm},
     }

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .params import Params, cpu_has_native_bf16, repo_root
+from .params import Params, cpu_has_native_bf16, repo_root, suffix_stage
 
 # The stages a full run executes, in order (runner.STAGES without the optional study).
 STAGES = ("research", "ngram", "data", "extract", "train", "eval")
@@ -230,13 +230,14 @@ def regen_backend(p: Params) -> Optional[str]:
 
 
 def eval_modes(p: Params, stage: str) -> list:
-    """vLLM modes of 01 (plain, each n-gram k, suffix; none when eval.baseline_vllm is false) or 05
-    (plain, n-gram, eagle3): one engine each."""
+    """vLLM modes of 01 (plain, each n-gram k; none when eval.baseline_vllm is false) or 05 (plain,
+    n-gram, eagle3), and suffix decoding in the stage params.suffix_stage names: one engine each."""
     if not p.eval.use_vllm or (stage == "ngram" and not p.eval.baseline_vllm):
         return []
+    suffix = ["suffix"] if suffix_stage(p.eval) == stage else []
     if stage == "ngram":
-        return ["plain"] + [f"ngram_k{k}" for k in p.eval.ngram_k] + (["suffix"] if p.eval.suffix_baseline else [])
-    return ["plain", f"ngram_k{p.eval.k}", f"eagle3_k{p.eval.k}"]
+        return ["plain"] + [f"ngram_k{k}" for k in p.eval.ngram_k] + suffix
+    return ["plain", f"ngram_k{p.eval.k}"] + suffix + [f"eagle3_k{p.eval.k}"]
 
 
 def engine_start(host: Host, work: Workload, eval_engine: bool = False) -> tuple[float, str]:

@@ -67,10 +67,11 @@ def test_b300_plan_marks_every_figure_and_counts_every_engine_start(tmp_path):
         assert part["basis"].startswith(("measured", "assumed")), part
     engines = {name: sum(int(q["name"].split()[0]) for q in st["parts"] if "vLLM engine start" in q["name"])
                for name, st in plan["stages"].items()}
-    # 01: plain, each n-gram k, suffix; 02: regeneration; 03: extraction (+ its fidelity check); 05: three modes
-    assert engines["ngram"] == 1 + len(p.eval.ngram_k) + p.eval.suffix_baseline
-    assert (engines["data"], engines["extract"], engines["eval"]) == (1, 1, 3)
-    assert sum(engines[s] for s in stage_times.STAGES) >= 8
+    # 01: none (05 measures plain and n-gram); 02: regeneration; 03: extraction (+ its fidelity check);
+    # 05: plain, n-gram, suffix, EAGLE-3
+    assert engines["ngram"] == 0 and not p.eval.baseline_vllm and p.eval.suffix_baseline
+    assert (engines["data"], engines["extract"], engines["eval"]) == (1, 1, 4)
+    assert sum(engines[s] for s in stage_times.STAGES) == 6
     names = " | ".join(q["name"] for q in all_parts(plan))
     for io in ("connector saves", "parent re-reads and re-writes", "writer's sha256", "verify the cache"):
         assert io in names
@@ -244,13 +245,16 @@ def test_the_plan_compares_offline_and_online_layouts_by_hours_disk_and_memory(t
 
 
 def test_01_without_its_vllm_baseline_plans_no_engine_there_and_05_keeps_both_methods():
-    """local leaves vLLM's plain and n-gram rows to 05 (eval.baseline_vllm: false); b300, whose 01 has
-    no reference decoder, keeps them in 01."""
-    local = load_params("params/local.yaml")
-    assert local.eval.baseline_vllm is False and load_params("params/b300.yaml").eval.baseline_vllm is True
-    assert stage_times.eval_modes(local, "ngram") == []
+    """local and b300 leave vLLM's plain and n-gram rows to 05 (eval.baseline_vllm: false), where
+    b300's suffix decoding runs too (params.suffix_stage; local leaves it out of the hour); with 01's
+    vLLM run on, suffix decoding is 01's."""
+    local, b300 = load_params("params/local.yaml"), load_params("params/b300.yaml")
+    assert local.eval.baseline_vllm is False and b300.eval.baseline_vllm is False
+    assert stage_times.eval_modes(local, "ngram") == [] == stage_times.eval_modes(b300, "ngram")
     assert stage_times.eval_modes(local, "eval") == ["plain", f"ngram_k{local.eval.k}", f"eagle3_k{local.eval.k}"]
-    with_01 = load_params("params/local.yaml", {"eval": {"baseline_vllm": True}})
+    assert stage_times.eval_modes(b300, "eval") == ["plain", "ngram_k4", "suffix", "eagle3_k4"]
+    with_01 = load_params("params/b300.yaml", {"eval": {"baseline_vllm": True}})
     assert stage_times.eval_modes(with_01, "ngram") == ["plain", "ngram_k2", "suffix"]
+    assert stage_times.eval_modes(with_01, "eval") == ["plain", "ngram_k4", "eagle3_k4"]
     with pytest.raises(ParamsError, match="eval.baseline_vllm"):
         load_params("params/ci.yaml", {"eval": {"baseline_vllm": "no"}})

@@ -67,3 +67,12 @@ def test_suffix_baseline_param():
     assert load_params("params/ci.yaml").eval.suffix_baseline is True
     with pytest.raises(ParamsError, match="eval.suffix_baseline"):
         load_params("params/ci.yaml", {"eval": {"suffix_baseline": "yes"}})
+
+
+def test_suffix_decoding_runs_in_01_or_else_in_05_and_never_twice():
+    """01 measures it beside its vLLM rows; where 01 runs no vLLM (b300), 05 does; off, or no vLLM: none."""
+    from eagle3lib.params import suffix_stage
+    assert suffix_stage(load_params("params/ci.yaml").eval) == "ngram"
+    assert suffix_stage(load_params("params/b300.yaml").eval) == "eval"
+    assert suffix_stage(load_params("params/local.yaml").eval) is None                 # left out of the hour
+    assert suffix_stage(load_params("params/ci.yaml", {"eval": {"use_vllm": False}}).eval) is None
