@@ -18,7 +18,9 @@ from typing import Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .mode_plan import PREFETCH_FACTOR
+# Micro-batches each DataLoader worker holds ahead of the step (DataLoader's prefetch_factor); the
+# planners (mode_plan's staging bound, preflight's /dev/shm need) read it from here.
+PREFETCH_FACTOR = 2
 
 
 def bucket_batches(lengths: list, batch_tokens: int, seed: int, epoch: int) -> list:

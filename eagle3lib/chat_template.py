@@ -16,14 +16,24 @@ the target reads its own tools declaration and answers with its own tool-call ma
 that renders `tools` or an assistant turn's `tool_calls` no differently from a chat without them
 ignores them (ignored_tool_features: the data stage counts such chats and says so once).
 
+Control-token text: a chat whose text (a message's content, its tool calls, the tools list) holds the
+text of one of the tokenizer's special tokens (`<|im_end|>`, `<|im_start|>` on SmolLM2) is never
+rendered: the tokenizer would read that text as the control token itself (a fake turn inside a user
+message, a control id mid-answer with loss mask 1). `control_token_text` finds it; the data stage,
+regeneration and the eval prompts skip such a chat and count it (NOTES.md, Decisions: Data). The
+ids the target generates are never checked: its own control tokens (tool-call markers) stay as it
+produced them.
+
 `KIMI_LIKE_TEMPLATE` behaves like Kimi-K2.5's template (thinking generation prompt, empty think
 block in history, tools declaration, tool-call markers, tool results) on any tokenizer; the tests
 give it to SmolLM2's tokenizer.
 """
 from __future__ import annotations
 
+import functools
+import re
 from pathlib import Path
-from typing import Optional
+from typing import Any, Iterator, Optional
 
 THINKING_CHOICES = ("auto", "on", "off")
 THINK_START, THINK_END = "<think>", "</think>"
@@ -57,6 +67,57 @@ def prompt_ids(tokenizer, messages: list[dict], thinking: str = "auto",
     (and the chat's tools declaration), tokenised without special tokens (the template writes them)."""
     text = render_text(tokenizer, messages, True, thinking, tools)
     return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+class ControlTokenText(ValueError):
+    """A chat's text holds a special token's text (`token`), which the tokenizer would read as that token."""
+
+    def __init__(self, token: str):
+        super().__init__(f"the chat's text holds {token!r}, the text of a control token of the target's tokenizer")
+        self.token = token
+
+
+@functools.lru_cache(maxsize=8)
+def _control_token_pattern(tokenizer) -> Optional[re.Pattern]:
+    """A regex matching the text of any special token of `tokenizer` (added tokens marked special and
+    the named special tokens); None when it has none. Non-special added tokens (whitespace runs, words)
+    are ordinary text the model reads as those ids everywhere."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    tokens = {str(t) for t in decoder.values() if getattr(t, "special", False)}
+    tokens |= {str(t) for t in getattr(tokenizer, "all_special_tokens", [])}
+    tokens = sorted((t for t in tokens if t.strip()), key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, tokens))) if tokens else None
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string inside a JSON-like value (dict values, list items)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)
+
+
+def control_token_text(tokenizer, messages: list[dict], tools: Optional[list[dict]] = None) -> Optional[str]:
+    """The first special token whose text occurs in the chat's text (messages and tools), else None."""
+    pattern = _control_token_pattern(tokenizer)
+    if pattern is None:
+        return None
+    for text in _strings([messages, tools or []]):
+        found = pattern.search(text)
+        if found:
+            return found.group(0)
+    return None
+
+
+def check_no_control_token_text(tokenizer, messages: list[dict], tools: Optional[list[dict]] = None) -> None:
+    """Raise ControlTokenText when the chat's text holds a special token's text (control_token_text)."""
+    token = control_token_text(tokenizer, messages, tools)
+    if token is not None:
+        raise ControlTokenText(token)
 
 
 PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "A probe.",

@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .files import MetricsError, RunLocked, UnsafeLink
+from .files import MetricsError, RunLocked, UnsafeLink, describe_write_failure
 from .fingerprint import TargetMismatch
 from .layout import RunLayout
 from .params import ParamsError, check_run_name, dump, load_params, repo_root
@@ -65,6 +65,9 @@ def main(argv=None) -> int:
     except PermissionError as e:
         print(f"eagle3: permission denied on {e.filename}: the run folder must be writable "
               "(chmod u+w, chattr -i) or choose another --run-name", file=sys.stderr)
+        return 2
+    except OSError as e:                    # a read-only or full disk (the lock, params.yaml, metrics.json)
+        print(f"eagle3: {describe_write_failure(e)}", file=sys.stderr)
         return 2
     except RunLocked as e:
         print(f"eagle3: {e}", file=sys.stderr)

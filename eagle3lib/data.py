@@ -20,7 +20,10 @@ Pipeline (`prepare_data`):
 Steps 1-4 and the normalisation rules are in chats.py (`held_out_chats`); this module renders,
 masks, tokenises, selects and writes. A chat the template refuses counts as "template_error"; chats
 with tools or tool calls that the target's template does not render are counted ("tools_ignored")
-and named in one warning line.
+and named in one warning line. A chat whose text holds the text of a special token of the target's
+tokenizer (`<|im_end|>`, chat_template.control_token_text) is skipped before regeneration and
+tokenisation, counted per split ("control_token_text") and named in one warning line: rendered,
+that text would become the control token itself (a fake turn inside a user message).
 
 Outputs under `<run>/data/` (paths from `RunLayout`, see layout.py); `stats.json` is written last
 and is the completion marker. It carries the cache key (data params, the sha256 of every source,
@@ -41,7 +44,15 @@ from pathlib import Path
 from typing import Optional
 
 from . import vocab as vocab_lib
-from .chat_template import check_thinking_kwarg, ignored_tool_features, render_text, thinking_active
+from .chat_template import (
+    ControlTokenText,
+    check_no_control_token_text,
+    check_thinking_kwarg,
+    control_token_text,
+    ignored_tool_features,
+    render_text,
+    thinking_active,
+)
 from .chats import (
     TOOL_KEYS,
     MalformedRecord,
@@ -202,8 +213,10 @@ def tokenize_chat(tokenizer, messages: list[dict], max_length: int, end_strings:
 
     The whole chat is tokenised once (as the model reads it); the loss mask comes from the
     assistant character spans via the token offsets. Truncated to `max_length` tokens.
-    `tools`: the chat's tools list (its "tools", chats.normalize_record), declared by the template."""
+    `tools`: the chat's tools list (its "tools", chats.normalize_record), declared by the template.
+    Raises ControlTokenText when the chat's text holds a special token's text (chat_template.py)."""
     messages = cut_long_messages(tokenizer, messages, max_length)
+    check_no_control_token_text(tokenizer, messages, tools)
     text = _render(tokenizer, [template_message(m) for m in messages], thinking=thinking, tools=tools)
     if getattr(tokenizer, "is_fast", False):
         # max_length + 1 tokens tell whether the chat was truncated; a 20 MB message then costs the
@@ -244,29 +257,45 @@ def first_answer_fits(tokenizer, messages: list[dict], max_length: int, thinking
 
 
 def select_train(tokenizer, pool: list[dict], num_train: Optional[int], max_length: int,
-                 progress: bool = False, thinking: str = "auto") -> tuple[list[dict], int]:
-    """Take chats from the front of the (key-ordered) pool whose first answer fits in
-    `max_length`, until `num_train` (None: all). Returns (chats, skipped_prompt_too_long)."""
-    chosen, skipped = [], 0
+                 progress: bool = False, thinking: str = "auto") -> tuple[list[dict], Counter]:
+    """Take chats from the front of the (key-ordered) pool whose text holds no control-token text
+    (chat_template.control_token_text) and whose first answer fits in `max_length`, until `num_train`
+    (None: all). Returns (chats, skipped: {"control_token_text": n, "prompt_too_long": n})."""
+    chosen, skipped = [], Counter(control_token_text=0, prompt_too_long=0)
     bar = tqdm(total=num_train or len(pool), desc="select train", disable=not progress)
     for chat in pool:
         if num_train is not None and len(chosen) >= num_train:
             break
-        if first_answer_fits(tokenizer, chat["messages"], max_length, thinking, chat.get("tools")):
+        if control_token_text(tokenizer, chat["messages"], chat.get("tools")) is not None:
+            skipped["control_token_text"] += 1
+        elif first_answer_fits(tokenizer, chat["messages"], max_length, thinking, chat.get("tools")):
             chosen.append(chat)
             bar.update(1)
         else:
-            skipped += 1
+            skipped["prompt_too_long"] += 1
     bar.close()
     return chosen, skipped
+
+
+def without_control_token_text(tokenizer, chats: list[dict]) -> tuple[list[dict], Counter]:
+    """(the chats whose text holds no special token's text, {token text: chats skipped for it})."""
+    kept, found = [], Counter()
+    for chat in chats:
+        token = control_token_text(tokenizer, chat["messages"], chat.get("tools"))
+        if token is None:
+            kept.append(chat)
+        else:
+            found[token] += 1
+    return kept, found
 
 
 def tokenize_chats(tokenizer, chats: list[dict], max_length: int,
                    progress: bool = False, desc: str = "tokenize", thinking: str = "auto") -> tuple[dict, dict]:
     """Tokenise chats into columns {conv_id, input_ids, loss_mask}; drops (and counts) sequences
-    with no assistant token left after truncation and chats the template cannot render. A chat
-    that carries "input_ids" and "loss_mask" (regenerated: the ids the target produced) keeps
-    them as they are, only truncated; the others are rendered and tokenised (tokenize_chat)."""
+    with no assistant token left after truncation, chats the template cannot render and chats whose
+    text holds a special token's text ("control_token_text"). A chat that carries "input_ids" and
+    "loss_mask" (regenerated: the ids the target produced) keeps them as they are, only truncated;
+    the others are rendered and tokenised (tokenize_chat)."""
     end_strings = end_of_turn_strings(tokenizer)
     columns = {"conv_id": [], "input_ids": [], "loss_mask": []}
     stats = Counter()
@@ -278,6 +307,9 @@ def tokenize_chats(tokenizer, chats: list[dict], max_length: int,
                 row = tokenize_chat(tokenizer, chat["messages"], max_length, end_strings, thinking, chat.get("tools"))
         except MalformedRecord:
             stats["template_error"] += 1
+            continue
+        except ControlTokenText:
+            stats["control_token_text"] += 1
             continue
         n_assistant = sum(row["loss_mask"])
         if n_assistant == 0:
@@ -291,7 +323,7 @@ def tokenize_chats(tokenizer, chats: list[dict], max_length: int,
         stats["tokens"] += len(row["input_ids"])
         stats["assistant_tokens"] += n_assistant
     for key in ("conversations", "tokens", "assistant_tokens", "truncated",
-                "dropped_no_assistant_tokens", "template_error"):
+                "dropped_no_assistant_tokens", "template_error", "control_token_text"):
         stats.setdefault(key, 0)
     return columns, dict(stats)
 
@@ -316,7 +348,10 @@ def _cached_stats(layout: RunLayout, key: dict) -> Optional[DataStats]:
     """The stored stats when every output exists and was built with the same cache key."""
     if not layout.stats.is_file() or not all(path.exists() for path in _outputs(layout)):
         return None
-    if read_json(layout.stats).get("cache_key") != key:
+    stored = read_json(layout.stats)
+    if stored.get("cache_key") != key:
+        return None
+    if "control_token_text" not in stored.get("train", {}):   # built before control-token text was skipped
         return None
     try:
         return load_stats(layout.root)
@@ -403,6 +438,17 @@ def _write_outputs(layout: RunLayout, train_cols: dict, eval_cols: dict, eval_ch
         remove_tree(tmp, under=layout.data, ignore_errors=True)
 
 
+def warn_control_token_text(train_skipped: int, eval_found: Counter) -> None:
+    """One line naming how many chats were skipped for control-token text (train and held-out)."""
+    total = train_skipped + sum(eval_found.values())
+    if total:
+        example = f" (held-out: {', '.join(map(repr, sorted(eval_found)))})" if eval_found else ""
+        print(f"[data] warning: {total:,} chats skipped ({train_skipped:,} train, {sum(eval_found.values()):,} "
+              f"held-out){example}: their text holds the text of a control token of the target's tokenizer, "
+              "which the chat template would read as turn structure; counted as control_token_text in "
+              "data/stats.json")
+
+
 def check_thinking(tokenizer, d) -> None:
     """data.thinking against the target's template, before anything is generated: on/off must
     change the template's output (chat_template.check_thinking_kwarg), and where the mode the
@@ -451,7 +497,8 @@ def check_not_empty(d, train_stats: dict, eval_stats: dict, skipped_long: int, s
                f"data.max_length ({d.max_length}), {selected:,} selected; " if split == "train" else "")
         raise EmptyDataset(f"data: no {split} sequence left ({why}{st.get('dropped_no_assistant_tokens', 0):,} "
                            f"dropped with no answer token inside max_length, {st.get('template_error', 0):,} "
-                           "template errors): raise data.max_length, or use a source with shorter prompts")
+                           f"template errors, {st.get('control_token_text', 0):,} with control-token text): "
+                           "raise data.max_length, or use a source with shorter prompts")
 
 
 def prepare_data(params, run_dir, progress: bool = True, force: bool = False) -> DataStats:
@@ -472,16 +519,21 @@ def prepare_data(params, run_dir, progress: bool = True, force: bool = False) ->
     d = params.data
     check_thinking(tokenizer, d)
     eval_chats, pool, read_stats = held_out_chats(params)
-    train_chats, skipped_long = select_train(tokenizer, pool, d.num_train, d.max_length, progress, d.thinking)
+    train_chats, skipped = select_train(tokenizer, pool, d.num_train, d.max_length, progress, d.thinking)
+    skipped_long = skipped["prompt_too_long"]
     if not train_chats:                # before any regeneration: nothing would come of it
         check_not_empty(d, {"conversations": 0}, {}, skipped_long, 0)
-    tools_ignored = count_tools_ignored(tokenizer, train_chats + eval_chats)
-    train_in, original, eval_in, regen = _target_answers(params, run_dir, train_chats, eval_chats, progress)
+    eval_usable, eval_control = without_control_token_text(tokenizer, eval_chats)
+    warn_control_token_text(skipped["control_token_text"], eval_control)
+    tools_ignored = count_tools_ignored(tokenizer, train_chats + eval_usable)
+    train_in, original, eval_in, regen = _target_answers(params, run_dir, train_chats, eval_usable, progress)
 
     train_cols, train_stats = tokenize_chats(tokenizer, train_in + original, d.max_length, progress,
                                              "tokenize train", d.thinking)
     eval_cols, eval_stats = tokenize_chats(tokenizer, eval_in, d.max_length, progress, "tokenize eval",
                                            d.thinking)
+    train_stats["control_token_text"] += skipped["control_token_text"]
+    eval_stats["control_token_text"] += sum(eval_control.values())
     check_not_empty(d, train_stats, eval_stats, skipped_long, len(train_chats))
     if d.num_train is not None and len(train_chats) < d.num_train:
         print(f"[data] warning: data.num_train is {d.num_train:,}, the sources hold {len(train_chats):,} usable "
@@ -511,6 +563,7 @@ def data_metrics(stats: DataStats) -> dict:
         "draft_vocab_size": stats.draft_vocab_size, "coverage_train": round(stats.coverage_train, 4),
         "coverage_eval": round(stats.coverage_eval, 4),
         "regenerated": bool(stats.regen),
+        "skipped_control_token_text": stats.train.control_token_text + stats.eval.control_token_text,
     }
     if stats.regen:
         metrics.update(regen_backend=stats.regen.backend, regen_kept=stats.regen.kept,

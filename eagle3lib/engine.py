@@ -14,6 +14,11 @@ Settings (params, see params.TargetParams; eval and extract may override the bat
     target.gpu_memory_utilization   share of each GPU the engine may take (weights + KV cache)
     target.max_num_batched_tokens   tokens per engine step (null: vLLM's default)
     target.enforce_eager            no CUDA graphs (faster start; needed by the CPU build)
+    target.max_num_seqs             sequences one engine step decodes at most (null: vLLM's default)
+    target.attention_backend        vLLM's attention backend by name (vLLM 0.32 takes it as the engine
+                                    argument attention_backend; its VLLM_ATTENTION_BACKEND variable is
+                                    gone), e.g. TRITON_MLA for Kimi on sm_120 (RTX PRO 6000); null: vLLM's
+                                    choice, or on a CPU cpu_attention_backend's
     target.trust_remote_code        the checkpoint's own config/tokenizer code (Kimi, DeepSeek)
     target.dtype, seed              the dtype the weights run in; the engine's sampling seed
     max_model_len                   per stage: prompt + answer tokens it must hold
@@ -31,8 +36,8 @@ lock. The eval benchmarks keep vLLM's default layout, the one `vllm serve` runs,
 tokens/s are a serving figure; a variable already set in the environment wins there (`make test`
 sets it for the tests' engines).
 
-The attention backend is chosen here by the CPU's flags, not by params (`cpu_attention_backend`):
-on an AMX CPU, vLLM's CPU platform prefers its bf16-only AMX_MLA backend for MLA targets
+Without target.attention_backend, the attention backend is chosen here by the CPU's flags
+(`cpu_attention_backend`): on an AMX CPU, vLLM's CPU platform prefers its bf16-only AMX_MLA backend for MLA targets
 (vllm/platforms/cpu.py `get_attn_backend_cls`), which cannot load fp32 weights; the engine then
 asks for the reference CPU_MLA backend, which runs any dtype and is what non-AMX CPUs get anyway.
 
@@ -83,10 +88,11 @@ def cpu_attention_backend(dtype: str, mla: bool, flags: Optional[set] = None,
 def build_kwargs(model, dtype: str, max_model_len: int, seed: int = 0, *, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, enable_expert_parallel: bool = False,
                  gpu_memory_utilization: float = 0.5, max_num_batched_tokens: Optional[int] = None,
-                 enforce_eager: bool = True, trust_remote_code: bool = False,
+                 enforce_eager: bool = True, trust_remote_code: bool = False, max_num_seqs: Optional[int] = None,
                  attention_backend: Optional[str] = None, where: str = "target") -> dict:
     """Checked `vllm.LLM` keyword arguments. `where` names the params section in errors;
-    attention_backend: None (vLLM's choice) or cpu_attention_backend's answer."""
+    max_num_seqs: None (vLLM's default); attention_backend: None (vLLM's choice), target.attention_backend
+    or cpu_attention_backend's answer."""
     def need(cond: bool, key: str, msg: str):
         if not cond:
             raise ParamsError(f"{where}.{key}: {msg}")
@@ -106,8 +112,11 @@ def build_kwargs(model, dtype: str, max_model_len: int, seed: int = 0, *, tensor
               "enable_expert_parallel": enable_expert_parallel,
               "gpu_memory_utilization": gpu_memory_utilization, "enforce_eager": enforce_eager,
               "trust_remote_code": trust_remote_code}
+    need(max_num_seqs is None or max_num_seqs >= 1, "max_num_seqs", f"must be >= 1 (or null), got {max_num_seqs}")
     if max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+    if max_num_seqs is not None:
+        kwargs["max_num_seqs"] = max_num_seqs
     if attention_backend is not None:
         kwargs["attention_backend"] = attention_backend
     return kwargs
@@ -132,7 +141,8 @@ def engine_kwargs(params: Params, stage: str, model: str | Path, max_model_len: 
                         gpu_memory_utilization=t.gpu_memory_utilization,
                         max_num_batched_tokens=budget if budget is not None else t.max_num_batched_tokens,
                         enforce_eager=t.enforce_eager, trust_remote_code=t.trust_remote_code,
-                        attention_backend=cpu_attention_backend(dtype, uses_mla(model)))
+                        max_num_seqs=t.max_num_seqs,
+                        attention_backend=t.attention_backend or cpu_attention_backend(dtype, uses_mla(model)))
 
 
 # vLLM 0.32 has no engine argument for the model runner: VllmConfig.use_v2_model_runner reads the

@@ -10,6 +10,13 @@ The notebooks (01_ngram_baseline, 05_eval) call these functions and only show th
     check_vllm_same_output(raw, prompts, params); check_acceptance_agrees(per_prompt, raw, prompts, params)
     section = eval_metrics(summary, vllm_summary, setup, ...)     # the metrics.json section
 
+Public drafters (05_eval, eval.drafters): read and checked against the target before any engine,
+the run's own drafter too, then one eagle3 engine each beside plain, n-gram and the trained drafter:
+
+    infos = check_eval_drafters(params, final_dir)       # {name: DrafterInfo}; DrafterMismatch names the field
+    modes = vllm_modes(ngram, export_dir, k, drafters=infos)            # + "drafter-<name>_k<k>" modes
+    section = eval_metrics(..., drafters=drafters_metrics(vllm_summary, infos, eagle3, k))
+
 Breadth (05_eval, vLLM only): more request groups, one per (domain, temperature), decoded by the
 same engine of each mode after the main prompts (no extra engine start):
 
@@ -41,13 +48,24 @@ import torch
 from .data import load_eval_prompts
 from .decode import DecodeStats, Eagle3Proposer, NgramProposer, NoProposer, greedy_generate, speculative_generate
 from .domains import domain_prompts, render_capped  # render_prompt: the chat template -> token ids
+from .drafters import DrafterInfo, check_drafter, read_drafter
 from .engine import engine_kwargs
 from .files import check_run_links, read_metrics, update_metrics
 from .layout import RunLayout
-from .params import host_memory_bytes, load_params
+from .params import host_memory_bytes, load_params, resolve_path
 from .progress import tqdm
 from .target import checkpoint_weight_bytes, eos_ids, load_target, load_tokenizer, target_path
-from .verdict import PLAIN, best_method, breadth_verdict, eagle3_verdict, export_check, ngram_verdict, row_of
+from .verdict import (
+    PLAIN,
+    best_method,
+    breadth_verdict,
+    compare_drafters,
+    drafter_verdict,
+    eagle3_verdict,
+    export_check,
+    ngram_verdict,
+    row_of,
+)
 from .vllm_bench import BenchSpec, GroupSpec, ModeSpec, mode, run_vllm
 
 # ---------------------------------------------------------------------------------------------
@@ -312,9 +330,10 @@ def per_position_table(summary):
 
 
 def vllm_modes(ngram: Sequence[tuple] = (), eagle3_dir=None, k: Optional[int] = None,
-               suffix_k: Optional[int] = None) -> list[ModeSpec]:
+               suffix_k: Optional[int] = None, drafters: Optional[dict] = None) -> list[ModeSpec]:
     """vllm_bench modes: plain, each (k, min_n, max_n) n-gram setting, suffix decoding with up to
-    suffix_k tokens if given, and eagle3 if a folder is given."""
+    suffix_k tokens if given, eagle3 if a folder is given, and each public drafter ({name: folder or
+    DrafterInfo}, check_eval_drafters) as eagle3 with its folder, named drafter_mode_name(name, k)."""
     modes = [mode("plain")]
     for nk, lo, hi in ngram:
         modes.append(mode("ngram", nk, name=ngram_name(nk, lo, hi), prompt_lookup_min=lo, prompt_lookup_max=hi))
@@ -322,6 +341,9 @@ def vllm_modes(ngram: Sequence[tuple] = (), eagle3_dir=None, k: Optional[int] = 
         modes.append(mode("suffix", suffix_k))
     if eagle3_dir is not None:
         modes.append(mode("eagle3", k, name=f"eagle3_k{k}", model=str(eagle3_dir)))
+    for name, folder in (drafters or {}).items():
+        path = folder.path if isinstance(folder, DrafterInfo) else folder
+        modes.append(mode("eagle3", k, name=drafter_mode_name(name, k), model=str(path)))
     return modes
 
 
@@ -625,10 +647,12 @@ def ngram_metrics(summary, vllm_summary, setup: "EvalSetup", max_new_tokens: int
 
 
 def eval_metrics(summary, vllm_summary, setup: "EvalSetup", export_dir, eagle3: str, ngram: str,
-                 max_new_tokens: int, breadth: Optional[dict] = None, run_dir=None, k: Optional[int] = None) -> dict:
+                 max_new_tokens: int, breadth: Optional[dict] = None, run_dir=None, k: Optional[int] = None,
+                 drafters: Optional[dict] = None) -> dict:
     """The 05_eval section of metrics.json (written there when run_dir is given); `breadth`
-    (breadth_metrics) is stored under "breadth" when the breadth groups ran; with run_dir and k (the
-    drafts per round decoded), "export_check" compares vLLM's acceptance with 04's replayed one."""
+    (breadth_metrics) is stored under "breadth" when the breadth groups ran, `drafters`
+    (drafters_metrics) under "drafters" when eval.drafters named public drafters; with run_dir and k
+    (the drafts per round decoded), "export_check" compares vLLM's acceptance with 04's replayed one."""
     def pick(table, method, key):
         r = row_of(table, method)
         return None if r is None else (float(r[key]) if not isinstance(r[key], list) else [float(x) for x in r[key]])
@@ -645,7 +669,8 @@ def eval_metrics(summary, vllm_summary, setup: "EvalSetup", export_dir, eagle3: 
            "lossless_eagle3lib": (str(row_of(summary, eagle3)["lossless"])
                                   if row_of(summary, eagle3) is not None else None),
            "eagle3lib": table_metrics(summary),
-           "verdict": eagle3_verdict(summary, vllm_summary, eagle3=eagle3, ngram=ngram)}
+           "verdict": eagle3_verdict(summary, vllm_summary, eagle3=eagle3, ngram=ngram,
+                                     drafters={n: d["mode"] for n, d in (drafters or {}).items()})}
     if vllm_summary is not None and not vllm_summary.empty:
         out.update(acceptance_length_vllm=pick(vllm_summary, eagle3, "acceptance_length"),
                    per_position_acceptance_vllm=pick(vllm_summary, eagle3, "per_position_acceptance"),
@@ -657,6 +682,8 @@ def eval_metrics(summary, vllm_summary, setup: "EvalSetup", export_dir, eagle3: 
         out.update(acceptance_length_vllm=None, speedup_vllm_eagle3=None, speedup_vllm_ngram=None)
     if breadth is not None:
         out["breadth"] = breadth
+    if drafters is not None:
+        out["drafters"] = drafters
     if run_dir is not None and k is not None:
         trained = read_metrics(Path(run_dir) / "metrics.json").get("train", {})
         out["export_check"] = export_check(out["acceptance_length_vllm"],
@@ -685,3 +712,79 @@ def trained_drafter_dir(layout: RunLayout) -> Path:
             f"{final}: no trained drafter (config.json + model.safetensors). Run notebooks/04_train.ipynb "
             "for this run first (or `eagle3 run` with the same params); 05_eval evaluates the run's own drafter.")
     return final
+
+
+# ---------------------------------------------------------------------------------------------
+# Public drafters beside the trained one (eval.drafters): read and checked before any engine starts
+# ---------------------------------------------------------------------------------------------
+
+
+def drafter_mode_name(name: str, k: int) -> str:
+    """The vLLM mode of public drafter `name` at k drafts a round (stage_times.eval_modes counts it)."""
+    return f"drafter-{name}_k{k}"
+
+
+def drafter_modes(drafters: dict, k: int) -> dict:
+    """{public drafter name: its vLLM mode name} (verdict.eagle3_verdict's `drafters`)."""
+    return {name: drafter_mode_name(name, k) for name in drafters}
+
+
+def public_drafter_dirs(params) -> dict:
+    """{name: folder} of eval.drafters, in profile order (a relative path, possible only through
+    load_params overrides, is read like a profile path). Raises FileNotFoundError naming
+    eval.drafters[i].path where a folder or its config.json is missing."""
+    out = {}
+    for i, item in enumerate(params.eval.drafters):
+        folder = resolve_path(item["path"])
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"eval.drafters[{i}].path: {folder} holds no config.json (drafter "
+                                    f"{item['name']!r}); put the drafter's folder there or fix the path in the profile")
+        out[item["name"]] = folder
+    return out
+
+
+def check_eval_drafters(params, final_dir, target_dir=None, device: Optional[str] = None) -> dict:
+    """05's drafter checks, run before any export, target load or engine: the run's own drafter
+    (`final_dir`, train/final/) must name the layers its hidden states were extracted at
+    (params.aux_layer_ids()) inside the target's, and every public drafter of eval.drafters must fit
+    the target (drafters.check_drafter: sizes, vocabulary, aux layer ids, MLA on a CPU). Returns
+    {name: DrafterInfo} of the public drafters; raises drafters.DrafterMismatch (or
+    DrafterFormatError / FileNotFoundError) naming the folder, the field and the fix."""
+    target_dir = target_dir if target_dir is not None else target_path(params)
+    check_drafter(read_drafter(final_dir), target_dir, params.aux_layer_ids(), device=device)
+    infos = {name: read_drafter(folder) for name, folder in public_drafter_dirs(params).items()}
+    for info in infos.values():
+        check_drafter(info, target_dir, device=device)
+    return infos
+
+
+DRAFTER_COLUMNS = ("format", "architecture", "hidden_size", "draft_vocab_size", "num_layers", "aux_layer_ids",
+                   "aux_convention", "has_embed_tokens", "has_d2t", "norm_before_residual", "rope_type", "path")
+
+
+def drafters_table(infos: dict) -> pd.DataFrame:
+    """One row per public drafter: what its folder says (DrafterInfo), for the notebook."""
+    rows = [(name, info.summary()) for name, info in infos.items()]
+    return pd.DataFrame([{"name": name, **{c: about[c] for c in DRAFTER_COLUMNS}} for name, about in rows])
+
+
+def drafters_metrics(vllm_summary, infos: dict, eagle3: str, k: int) -> dict:
+    """The "drafters" key of the 05_eval section: per public drafter, what its folder says, its vLLM
+    numbers (None where it has no row) and the trained drafter against it (verdict.compare_drafters)."""
+    trained = row_of(vllm_summary, eagle3)
+    out = {}
+    for name, info in infos.items():
+        mode_name = drafter_mode_name(name, k)
+        r = row_of(vllm_summary, mode_name)
+        about = info.summary()
+        entry = {"mode": mode_name, **{c: about[c] for c in DRAFTER_COLUMNS}, "notes": about["notes"],
+                 "measured": r is not None}
+        if r is not None:
+            entry.update(k=int(r["k"]), tokens_per_s=float(r["tokens_per_s"]), speedup=float(r["speedup"]),
+                         acceptance_length=float(r["acceptance_length"]),
+                         per_position_acceptance=[float(x) for x in r["per_position_acceptance"]],
+                         same_output_as_plain=str(r.get("same_output_as_plain", "n/a")))
+            entry["trained_vs_public"] = compare_drafters(trained, r) if trained is not None else None
+        entry["verdict"] = " ".join(drafter_verdict(vllm_summary, eagle3, {name: mode_name}))
+        out[name] = entry
+    return out

@@ -42,7 +42,7 @@ from typing import Optional, Union
 import torch
 from safetensors.torch import load_file, save_file
 
-from .files import atomic_dir, atomic_write_json
+from .files import atomic_dir, atomic_write_json, remove_stale_temp_dirs
 from .fingerprint import check_same_target, target_fingerprint
 from .model import Eagle3Config, Eagle3Drafter
 from .target import load_target_tensors
@@ -326,7 +326,8 @@ def export_vllm(final_dir_or_model, out_dir: Union[str, os.PathLike], target_pat
     """Write a vLLM-loadable drafter folder (config.json + model.safetensors) to `out_dir`.
 
     final_dir_or_model: the trainer's `train/final/` folder or an Eagle3Drafter. The folder is
-    built under a temp name and renamed into place. Returns out_dir. Raises VllmExportError if
+    built under a temp name and renamed into place; temp folders a killed export left beside it
+    are deleted first. Returns out_dir. Raises VllmExportError if
     the drafter uses a choice vLLM 0.32 cannot express."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: expected one of {LAYOUTS}")
@@ -342,6 +343,7 @@ def export_vllm(final_dir_or_model, out_dir: Union[str, os.PathLike], target_pat
     dtype = str(state["fc.weight"].dtype).replace("torch.", "")
     cfg = config_json(model.config, layout, target_path, k, dtype)
 
+    remove_stale_temp_dirs(out_dir)
     with atomic_dir(out_dir) as tmp:
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         atomic_write_json(tmp / "config.json", cfg)

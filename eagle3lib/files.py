@@ -1,7 +1,8 @@
 """Small file helpers shared by every stage: atomic writes, guarded deletes, the run folder's
-lock, and the run's metrics.json."""
+lock, the run's metrics.json, and what to say when a write fails (a full disk, a read-only one)."""
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -67,6 +68,25 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
             remove_tree(tmp, under=path.parent, ignore_errors=True)
 
 
+def remove_stale_temp_dirs(path: str | os.PathLike) -> list[Path]:
+    """Delete the temp folders atomic_dir(path) leaves beside `path` when its process is killed
+    (`.<name>-XXXX`, `.<name>.old-XXXX`); call it where nothing else builds `path` (the run lock).
+    Returns what was deleted."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return []
+    stale = [p for pattern in (f".{path.name}-*", f".{path.name}.old-*") for p in path.parent.glob(pattern)
+             if p.is_dir() and not p.is_symlink()]
+    for p in stale:
+        remove_tree(p, under=path.parent, ignore_errors=True)
+    return stale
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
 
@@ -103,6 +123,36 @@ def update_metrics(run_dir: str | os.PathLike, section: str, values: dict) -> di
     metrics.setdefault(section, {}).update(values)
     atomic_write_json(path, metrics)
     return metrics
+
+
+# ---- what to say when a write fails --------------------------------------------------------------
+def write_failure_reason(e: OSError) -> str:
+    """A short name of why a write failed, for the index page ("disk full", "read-only file system")."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "disk full"
+    if e.errno == errno.EROFS:
+        return "read-only file system"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    return e.strerror or type(e).__name__
+
+
+def describe_write_failure(e: OSError, path: str | os.PathLike | None = None) -> str:
+    """"cannot write PATH (the system's words): the fix", for one `eagle3:` line. `path`: the file being
+    written where the error does not name it (a write() that hits a full disk names no file)."""
+    path = e.filename if e.filename is not None else path
+    folder = Path(path).parent if path is not None else Path(".")
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = (f"the disk is full: free space on it (df -h {folder}) or set output_dir to a folder on another "
+               "disk, then rerun the same command (finished stages and checkpoints are kept)")
+    elif e.errno == errno.EROFS:
+        fix = ("the file system is read-only: remount it read-write, or set output_dir (or --run-name) to a "
+               "folder on a writable disk")
+    elif e.errno in (errno.EACCES, errno.EPERM):
+        fix = "the run folder must be writable (chmod u+w, chattr -i), or choose another --run-name"
+    else:
+        fix = f"check the folder (ls -ld {folder}) and the disk, then rerun the same command"
+    return f"cannot write {path if path is not None else 'a file'} ({e.strerror or e}): {fix}"
 
 
 # ---- links inside a run folder -----------------------------------------------------------------

@@ -51,15 +51,16 @@ from torch.utils._pytree import tree_leaves
 from . import model as model_lib
 from .model import Eagle3Config, Eagle3Drafter
 from .objective import TTTObjective
-from .params import Params, ParamsError, load_params
+from .params import Params, ParamsError, gpu_memory_budget, load_params
 
 GiB = 1024 ** 3
 GB = 1e9
 MEASURED = "measured (meta)"
 ASSUMED = "assumed (formula)"
-HEADROOM = 0.20          # a profile must leave this fraction of train.gpu_memory_gb free
+HEADROOM = 0.20          # a profile must leave this fraction of the GPU's memory (params.gpu_memory_budget) free
 # The parameters that move the peak, in the order a user would try them (named in refusals).
-REMEDIES = ("train.batch_tokens (fewer tokens per micro-batch)",
+REMEDIES = ("train.batch_tokens (fewer tokens per micro-batch; it holds at least one data.max_length sequence, "
+            "so lower data.max_length with it)",
             "train.activation_checkpointing (recompute each TTT step in backward)",
             "train.attention (a formulation that never materialises T x T scores)",
             "train.nproc (more ranks share the parameters and optimizer state)")
@@ -401,16 +402,23 @@ def estimate(params: Params, seq_len: Optional[int] = None, batch_tokens: Option
 
 
 # ==== the budget =================================================================================
+def budget_source(params: Params) -> str:
+    """Which key sets the trainer's GPU memory budget (params.gpu_memory_budget)."""
+    if params.train.gpu_memory_gb is not None:
+        return "train.gpu_memory_gb"
+    return f"train.gpu_memory_gb (unset: the memory of train.gpu_kind {params.train.gpu_kind})"
+
+
 def fit_problem(params: Params, est: MemoryEstimate) -> Optional[str]:
-    """Why `est` does not fit train.gpu_memory_gb with HEADROOM to spare, or None when it does (or
-    no budget is stated)."""
-    budget = params.train.gpu_memory_gb
+    """Why `est` does not fit the GPU's memory (train.gpu_memory_gb, else train.gpu_kind's) with HEADROOM
+    to spare, or None when it does (or no budget is known)."""
+    budget = gpu_memory_budget(params.train)
     if budget is None:
         return None
     limit = (1 - HEADROOM) * budget * GB
     if est.peak_bytes <= limit:
         return None
-    return (f"train.gpu_memory_gb: the memory model puts the peak per GPU at {est.peak_bytes / GB:,.0f} GB "
+    return (f"{budget_source(params)}: the memory model puts the peak per GPU at {est.peak_bytes / GB:,.0f} GB "
             f"(saved for backward {(est.item(SAVED_DRAFTER).bytes + est.item(SAVED_LOSS).bytes) / GB:,.0f} GB) for "
             f"{est.sequences} x {est.seq_len} tokens (train.batch_tokens {est.batch_tokens:,}), over "
             f"{limit / GB:,.0f} GB = {budget:g} GB less {HEADROOM:.0%} headroom. Change "
@@ -418,10 +426,10 @@ def fit_problem(params: Params, est: MemoryEstimate) -> Optional[str]:
 
 
 def check_fits(params: Params, est: Optional[MemoryEstimate] = None) -> Optional[MemoryEstimate]:
-    """Refuse, before any work, a profile whose step at data.max_length would not fit
-    train.gpu_memory_gb with 20% headroom (ParamsError naming the parameters to change and the
+    """Refuse, before any work, a profile whose step at data.max_length would not fit the GPU's memory
+    (params.gpu_memory_budget) with 20% headroom (ParamsError naming the parameters to change and the
     figure). Returns the estimate (None when the profile states no budget)."""
-    if params.train.gpu_memory_gb is None:
+    if gpu_memory_budget(params.train) is None:
         return None
     est = est or estimate(params)
     problem = fit_problem(params, est)
@@ -452,9 +460,10 @@ def main(argv=None) -> int:
     params = load_params(args.params)
     for seq in args.seq or [params.data.max_length]:
         est = estimate(params, seq, args.batch_tokens)
-        print(format_estimate(est, params.train.gpu_memory_gb))
+        budget = gpu_memory_budget(params.train)
+        print(format_estimate(est, budget))
         problem = fit_problem(params, est)
-        print(f"  DOES NOT FIT: {problem}" if problem else "  fits" if params.train.gpu_memory_gb else "", flush=True)
+        print(f"  DOES NOT FIT: {problem}" if problem else "  fits" if budget else "", flush=True)
     return 0
 
 

@@ -17,8 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from .params import Params
-from .preflight import PREFETCH_FACTOR  # batches.micro_batch_loader's, per DataLoader worker
+from .params import Params, gpu_memory_budget, train_ranks
 
 HEADROOM = 0.20          # memory.HEADROOM: a trainer must leave this share of its budget free
 
@@ -28,6 +27,7 @@ def staging_bound_bytes(hidden_size: int, batch_tokens: int, num_workers: int, w
     most its in-flight micro-batches' files there (1 without DataLoader workers, else workers x the
     prefetch factor), each micro-batch at most batch_tokens tokens x (3 aux + 1 final states of H
     fp32 values + an int64 token id) plus one file header (< 512 bytes) per token at most."""
+    from .batches import PREFETCH_FACTOR  # the loader's (torch): planners sit above what they model
     in_flight = max(1, num_workers * PREFETCH_FACTOR)
     return world * in_flight * batch_tokens * (4 * hidden_size * 4 + 8 + 512)
 
@@ -49,7 +49,7 @@ def served_seconds(plan: dict, prefill_scale: float = 1.0) -> float:
 def trainer_peak(p: Params, ranks: int, planned: Optional[dict] = None) -> Optional[float]:
     """The memory model's per-GPU peak at data.max_length with `ranks` training ranks (None on a CPU
     profile); planned: the plan's "memory" section, reused when ranks are the profile's own."""
-    if not p.train.gpu_memory_gb:
+    if not gpu_memory_budget(p.train):
         return None
     if planned and ranks == p.train.nproc and p.data.max_length in planned:
         return float(planned[p.data.max_length]["peak_bytes"])
@@ -60,8 +60,7 @@ def trainer_peak(p: Params, ranks: int, planned: Optional[dict] = None) -> Optio
 
 def layouts(p: Params, gpus: int) -> list:
     """(name, serving GPUs, training ranks) of the layouts worth comparing on `gpus` GPUs."""
-    from .plan import train_world  # plan imports this module
-    ranks = train_world(p)
+    ranks = train_ranks(p)
     out = [("offline", 0, ranks), ("online, shared", gpus, ranks)]
     if gpus >= 2:
         serve = len(p.extract.online_gpus) if p.extract.online_gpus else gpus // 2
@@ -74,10 +73,9 @@ def mode_plan(p: Params, plans: dict, gpus: int, memory: bool = True) -> list:
     verdict (memory: False leaves the memory model out, no torch import). plans: {"offline": plan,
     "online": plan} of this profile in either extract.mode (plan.capacity_plan); on a CPU profile
     (gpus 0) offline and online on the CPU."""
-    from .plan import train_world  # plan imports this module
     off, on = plans["offline"], plans["online"]
-    ranks_planned = train_world(p)
-    gpu_gb, util = p.train.gpu_memory_gb, p.target.gpu_memory_utilization
+    ranks_planned = train_ranks(p)
+    gpu_gb, util = gpu_memory_budget(p.train), p.target.gpu_memory_utilization
     out = []
     for name, serve, ranks in layouts(p, gpus):
         row = {"layout": name, "serving_gpus": serve, "training_ranks": ranks, "server_gb_per_gpu": None,
@@ -109,25 +107,9 @@ def mode_plan(p: Params, plans: dict, gpus: int, memory: bool = True) -> list:
         # shared: the largest target.gpu_memory_utilization that leaves the trainer its peak and headroom
         row["server_share_max"] = (None if peak is None or name != "online, shared"
                                    else max(0.0, 1 - peak / (gpu_gb * 1e9 * (1 - HEADROOM))))
+        if row["server_share_max"] is not None and row["server_share_max"] * gpu_gb < row["weights_gb_per_gpu"]:
+            row["server_share_max"] = 0.0           # no share holds the weights and leaves the trainer room
         row["fits"] = None if peak is None else bool(peak <= row["trainer_budget_gb"] * 1e9 * (1 - HEADROOM) and (
             row["weights_gb_per_gpu"] is None or row["weights_gb_per_gpu"] <= row["server_gb_per_gpu"]))
         out.append(row)
     return out
-
-
-def mode_rows(plan: dict) -> list:
-    """(label, text) rows for format_plan."""
-    from .plan import human_bytes
-    rows = []
-    for m in plan.get("modes", []):
-        text = f"{m['hours']:.2f} h for 03 + 04, disk {human_bytes(m['disk_bytes'])}"
-        if m["trainer_peak_gb"] is not None:
-            text += f"; per GPU: trainer {m['trainer_peak_gb']:.0f} of {m['trainer_budget_gb']:.0f} GB"
-            if m["server_gb_per_gpu"] is not None:
-                text += f", server {m['server_gb_per_gpu']:.0f} GB (weights {m['weights_gb_per_gpu']:.0f})"
-            text += "" if m["fits"] else "  DOES NOT FIT"
-            if m.get("server_share_max") is not None:
-                text += f" (target.gpu_memory_utilization <= {m['server_share_max']:.2f} would leave the trainer room)"
-        rows.append((f"  {m['layout']}", f"{text}  [{m['basis']}]"))
-    return [("hidden states: offline or online", "each layout's hours, disk and per-GPU memory "
-             "(extract.mode, extract.online_gpus)")] + rows if rows else []

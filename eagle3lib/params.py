@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -27,6 +28,7 @@ from typing import Any, Optional
 import yaml
 
 from .domains import DOMAINS
+from .gpus import GPU_KINDS
 from .layout import RunLayout
 
 EMBEDDED_TARGET = "embedded:smollm2"
@@ -68,6 +70,13 @@ class TargetParams:
     gpu_memory_utilization: float = 0.5  # share of each GPU the engine may take
     max_num_batched_tokens: Optional[int] = None  # tokens per engine step (None: vLLM's default)
     enforce_eager: bool = True           # no CUDA graphs (faster start; the CPU build needs it)
+    # Sequences one engine step decodes at most (vLLM's max_num_seqs; None: vLLM's default). The plan
+    # takes it as regeneration's batch and refuses one whose KV cache exceeds the engine's KV room.
+    max_num_seqs: Optional[int] = None
+    # vLLM's attention backend by name (its engine argument attention_backend, one of
+    # VLLM_ATTENTION_BACKENDS; e.g. TRITON_MLA for an MLA target on sm_120 GPUs). None: vLLM's choice
+    # (on a CPU, engine.cpu_attention_backend's).
+    attention_backend: Optional[str] = None
 
 
 @dataclass
@@ -178,6 +187,10 @@ class TrainParams:
     # target layer (-1: the last one) and fc as a pass-through of the highest aux state; None:
     # random init. See train.init_from_target_layer.
     init_from_layer: Optional[int] = None
+    # Warm start: begin from a trained EAGLE-3 drafter folder (a public Llama-layout or speculators
+    # drafter, or an earlier run's train/final or export) instead of noise; see
+    # train.init_from_drafter. A relative path is read from the profile's folder.
+    init_from_drafter: Optional[str] = None
     next_step_hidden: str = "pre_norm"   # pre_norm | post_norm: what step j+1 gets as g
     # Decoder layers of the drafter: 1 (EAGLE-3's recipe) or more (vLLM's llama_eagle3 loads
     # num_hidden_layers > 1: layer 0 reads [embedding; hidden], later layers are plain Llama layers).
@@ -230,6 +243,10 @@ class TrainParams:
     # Memory of one training GPU in GB (1e9 bytes); None: no check. When set, a profile whose
     # step would not fit with 20% headroom (memory.check_fits, the memory model) is refused.
     gpu_memory_gb: Optional[float] = None
+    # The GPU kind of the box (a name of gpus.GPU_KINDS, e.g. B300, RTX-PRO-6000): the plan's FLOP/s,
+    # memory bandwidth, interconnect and memory per GPU (the budget when gpu_memory_gb is not set).
+    # None: the plan guesses it from gpu_memory_gb (stage_times.gpu_kind).
+    gpu_kind: Optional[str] = None
     # Divergence guard (train.DivergenceGuard): stop with an error after diverge_steps consecutive
     # steps whose soft CE is log(draft vocab) within diverge_uniform_rtol on every TTT step (uniform
     # output), or whose loss is above diverge_loss_rise x its running minimum, or whose gradient norm
@@ -280,6 +297,11 @@ class EvalParams:
     sample_temperatures: list = field(default_factory=list)   # sampling temperatures > 0, e.g. [0.7, 1.0]
     domains: list = field(default_factory=list)               # prompt sets besides ShareGPT (domains.DOMAINS)
     breadth_prompts: int = 10
+    # Public EAGLE-3 drafters measured in vLLM beside the trained one (05_eval, one engine each, mode
+    # "drafter-<name>_k<eval.k>"): [{name: kimi-aq, path: /models/Kimi-K2-Instruct-eagle3}, ...]. A relative
+    # path is read from the profile's folder (like target.path); each folder is read and checked against
+    # the target (drafters.py) before any engine starts.
+    drafters: list = field(default_factory=list)
 
 
 @dataclass
@@ -449,6 +471,7 @@ def _read_yaml(path: Path, seen: tuple = ()) -> dict:
     if not isinstance(raw, dict):
         raise ParamsError(f"{path}: a profile must be a mapping of keys, got {type(raw).__name__}")
     _anchor_target_path(raw, path.parent)
+    _anchor_drafter_paths(raw, path.parent)
     parent = raw.pop("inherit", None)
     if parent is None:
         return raw
@@ -465,6 +488,20 @@ def _anchor_target_path(raw: dict, folder: Path) -> None:
     path = target.get("path") if isinstance(target, dict) else None
     if isinstance(path, str) and path.strip() and not path.startswith("embedded:") and not Path(path).is_absolute():
         target["path"] = str((folder / path).resolve())
+
+
+def _anchor_drafter_paths(raw: dict, folder: Path) -> None:
+    """Relative drafter folders (eval.drafters[i].path, train.init_from_drafter) are taken from the
+    profile's own folder, like target.path."""
+    e, t = raw.get("eval"), raw.get("train")
+    items = e.get("drafters") if isinstance(e, dict) else None
+    for item in items if isinstance(items, list) else []:
+        path = item.get("path") if isinstance(item, dict) else None
+        if isinstance(path, str) and path.strip() and not Path(path).is_absolute():
+            item["path"] = str((folder / path).resolve())
+    path = t.get("init_from_drafter") if isinstance(t, dict) else None
+    if isinstance(path, str) and path.strip() and not Path(path).is_absolute():
+        t["init_from_drafter"] = str((folder / path).resolve())
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -558,6 +595,42 @@ def regen_cap_problem(d: DataParams, thinking: bool) -> Optional[str]:
             f">= {THINKING_MIN_NEW_TOKENS} (the cache grows with them), or set data.thinking: off (instant mode)")
 
 
+# vLLM 0.32's attention backends by name (vllm.v1.attention.backends.registry.AttentionBackendEnum; a
+# test compares the two where vLLM is installed), for target.attention_backend.
+VLLM_ATTENTION_BACKENDS = (
+    "AMX_MLA", "B12X", "CPU_ATTN", "CPU_MLA", "CUSTOM", "CUTLASS_MLA", "CUTLASS_MSA", "FLASHINFER", "FLASHINFER_MLA",
+    "FLASHINFER_MLA_SPARSE", "FLASHINFER_MLA_SPARSE_DSV4", "FLASHINFER_MLA_SPARSE_DSV41",
+    "FLASHINFER_MLA_SPARSE_SM120", "FLASHINFER_MLA_SPARSE_SM90", "FLASHMLA", "FLASHMLA_MEGA_ATTN_DSV41",
+    "FLASHMLA_SPARSE", "FLASHMLA_SPARSE_DSV4", "FLASHMLA_SPARSE_DSV41", "FLASH_ATTN", "FLASH_ATTN_DIFFKV",
+    "FLASH_ATTN_MLA", "FLASH_ATTN_MLA_SPARSE", "FLEX_ATTENTION", "HPC_ATTN", "MINIMAX_M3_SPARSE", "NO_ATTENTION",
+    "ROCM_AITER_FA", "ROCM_AITER_MLA", "ROCM_AITER_MLA_SPARSE", "ROCM_AITER_TRITON_MLA", "ROCM_AITER_UNIFIED_ATTN",
+    "ROCM_ATTN", "ROCM_FLASHMLA_SPARSE_DSV4", "ROCM_SEGMENTED_ATTN", "TOKENSPEED_MLA", "TORCH_SDPA", "TRITON_ATTN",
+    "TRITON_ATTN_DIFFKV", "TRITON_FLASHINFER", "TRITON_FLASH_ATTN", "TRITON_MLA", "TRITON_MSA", "TURBOQUANT",
+    "ULTRAQUANT", "XPU_MLA_SPARSE")
+
+
+def _check_gpu_kind(train_params: TrainParams) -> None:
+    """train.gpu_kind names a kind of gpus.GPU_KINDS, and train.gpu_memory_gb is at most its memory."""
+    kind, budget = train_params.gpu_kind, train_params.gpu_memory_gb
+    if kind is None:
+        return
+    if kind not in GPU_KINDS:
+        raise ParamsError(f"train.gpu_kind: {kind!r} is not a GPU kind the plan knows ({', '.join(GPU_KINDS)}); "
+                          "add its figures to eagle3lib/gpus.py or set null (guessed from train.gpu_memory_gb)")
+    memory = GPU_KINDS[kind][2]
+    if budget is not None and budget > memory:
+        raise ParamsError(f"train.gpu_memory_gb: {budget:g} GB is more than one {kind} has ({memory:g} GB); "
+                          f"lower it or set train.gpu_kind to the box's GPU")
+
+
+def gpu_memory_budget(train_params: TrainParams) -> Optional[float]:
+    """GB of one training GPU the memory model must fit: train.gpu_memory_gb, else the memory of
+    train.gpu_kind, else None (no check)."""
+    if train_params.gpu_memory_gb is not None:
+        return train_params.gpu_memory_gb
+    return None if train_params.gpu_kind is None else float(GPU_KINDS[train_params.gpu_kind][2])
+
+
 def _check_breadth(e: EvalParams) -> None:
     """eval.sample_temperatures, eval.domains, eval.breadth_prompts (05_eval's breadth groups)."""
     temps = e.sample_temperatures
@@ -574,6 +647,39 @@ def _check_breadth(e: EvalParams) -> None:
                           "(the held-out ShareGPT chats always run; [] for no other domain)")
     if e.breadth_prompts < 1:
         raise ParamsError(f"eval.breadth_prompts: must be >= 1, got {e.breadth_prompts}")
+
+
+# A public drafter's name becomes part of a vLLM mode name ("drafter-<name>_k4"), a metrics key and a label.
+DRAFTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+DRAFTER_KEYS = ("name", "path")
+
+
+def _check_drafters(e: EvalParams) -> None:
+    """eval.drafters: a list of {name, path} with distinct names usable in method names. Whether each
+    folder exists is checked where 05 runs (evaluate.check_eval_drafters), naming the same key."""
+    example = "e.g. [{name: kimi-aq, path: /models/Kimi-K2-Instruct-eagle3}]"
+    if e.drafters and not e.use_vllm:
+        raise ParamsError("eval.drafters: public drafters are measured in vLLM only; set eval.use_vllm: true "
+                          "or leave eval.drafters empty")
+    names = []
+    for i, item in enumerate(e.drafters):
+        where = f"eval.drafters[{i}]"
+        if not isinstance(item, dict):
+            raise ParamsError(f"{where}: expected a mapping {{name, path}}, got {type(item).__name__} ({item!r}) "
+                              f"({example})")
+        if set(map(str, item)) != set(DRAFTER_KEYS):
+            raise ParamsError(f"{where}: needs exactly the keys {', '.join(DRAFTER_KEYS)}, got {sorted(map(str, item))}"
+                              f" ({example})")
+        name, path = item["name"], item["path"]
+        if not isinstance(name, str) or not DRAFTER_NAME.fullmatch(name):
+            raise ParamsError(f"{where}.name: {name!r} must be 1-64 letters, digits, '.', '-' or '_' (not starting "
+                              "with '.', '-' or '_'): it names the vLLM mode drafter-<name>_k<k>")
+        if not isinstance(path, str) or not path.strip():
+            raise ParamsError(f"{where}.path: expected the drafter's local folder, got {path!r}")
+        names.append(name)
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise ParamsError(f"eval.drafters: the name {dup!r} is given twice; each drafter needs its own name")
 
 
 def validate(p: Params) -> Params:
@@ -637,6 +743,9 @@ def validate(p: Params) -> Params:
     need(train_params.checkpoint_minutes is None or train_params.checkpoint_minutes > 0, "train.checkpoint_minutes",
          "must be > 0 (or null: off)")
     need(train_params.grad_clip > 0, "train.grad_clip", "must be > 0")
+    need(train_params.tracking != "wandb" or importlib.util.find_spec("wandb") is not None, "train.tracking",
+         "wandb is not installed in this environment: pip install wandb (it logs offline to "
+         "outputs/<run>/train/wandb/), or set train.tracking: tensorboard or none")
     need(train_params.epochs > 0, "train.epochs", "must be > 0")
     need(train_params.max_steps is None or train_params.max_steps >= 1, "train.max_steps", "must be >= 1")
     need(train_params.time_budget_minutes is None or train_params.time_budget_minutes > 0, "train.time_budget_minutes",
@@ -661,6 +770,12 @@ def validate(p: Params) -> Params:
     need(train_params.num_workers >= 0, "train.num_workers", "must be >= 0 (0: read batches in the training process)")
     need(train_params.gpu_memory_gb is None or train_params.gpu_memory_gb > 0, "train.gpu_memory_gb",
          "must be > 0 (or null: no check)")
+    _check_gpu_kind(train_params)
+    need(tg.max_num_seqs is None or tg.max_num_seqs >= 1, "target.max_num_seqs",
+         "must be >= 1 (or null: vLLM's default)")
+    need(tg.attention_backend is None or tg.attention_backend in VLLM_ATTENTION_BACKENDS, "target.attention_backend",
+         f"{tg.attention_backend!r} is not one of vLLM 0.32's backends ({', '.join(VLLM_ATTENTION_BACKENDS)}); "
+         "null lets vLLM choose")
     need(train_params.eval_sequences >= 1, "train.eval_sequences", "must be >= 1")
     need(train_params.max_sequences is None or train_params.max_sequences >= 1, "train.max_sequences",
          "must be >= 1 or null (all)")
@@ -700,6 +815,7 @@ def validate(p: Params) -> Params:
     need(e.max_prompt_tokens is None or e.max_prompt_tokens >= 1, "eval.max_prompt_tokens",
          "must be >= 1 (or null: no limit)")
     _check_breadth(e)
+    _check_drafters(e)
 
     if p.target.shape is not None:
         need({"num_hidden_layers", "hidden_size", "vocab_size"} <= set(p.target.shape), "target.shape",
@@ -730,6 +846,8 @@ def validate(p: Params) -> Params:
                  f"{x.aux_layers} out of range: the target has {n} layers (valid ids 0..{n - 1})")
         else:
             need(n >= 4, "extract.aux_layers", f"default (2, N//2, N-3) needs N >= 4 layers, got {n}")
+        need(train_params.init_from_drafter is None or train_params.init_from_layer is None, "train.init_from_drafter",
+             "and train.init_from_layer both set: start from one of them (set the other to null)")
         need(train_params.init_from_layer is None or -n <= train_params.init_from_layer < n, "train.init_from_layer",
              f"{train_params.init_from_layer} out of range: the target has {n} layers (valid -{n}..{n - 1})")
     return p
@@ -739,6 +857,11 @@ def validate(p: Params) -> Params:
 # MIN_WARMUP_ALLOWED steps (tiny plumbing runs such as ci's 12 steps keep their 2 warmup steps).
 MAX_WARMUP_FRACTION = 0.1
 MIN_WARMUP_ALLOWED = 2
+
+
+def train_ranks(p: "Params") -> int:
+    """The trainer's processes: train.nproc under ddp / fsdp, else one."""
+    return p.train.nproc if p.train.distributed != "none" else 1
 
 
 def suffix_stage(e: EvalParams) -> Optional[str]:

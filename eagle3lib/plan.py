@@ -31,17 +31,21 @@ from typing import Optional
 import yaml
 
 from .chats import MalformedRecord, chat_hash, iter_raw_records, normalize_chat, path_sha256, source_problem, sources_of
+from .engine_memory import engine_memory, engine_problems, online_problem
 from .files import atomic_write_json, read_json, read_metrics, update_metrics
+from .gpus import kind_figures
 from .layout import RunLayout
-from .mode_plan import mode_plan, mode_rows
+from .mode_plan import mode_plan
 from .params import (
     Params,
     ParamsError,
     checkpoint_interval,
+    gpu_memory_budget,
     host_memory_bytes,
     max_warmup_steps,
     planned_warmup,
     regen_cap_problem,
+    train_ranks,
     warmup_problem,
 )
 from .preflight import cache_read_rate, preflight_checks, preflight_table
@@ -280,11 +284,6 @@ def regenerated_tokens_per_chat(p: Params) -> float:
     return answer_fill(p) * p.data.regen_max_new_tokens * p.data.regen_max_turns
 
 
-def train_world(p: Params) -> int:
-    """Ranks of the trainer (train.nproc under ddp/fsdp, else 1)."""
-    return p.train.nproc if p.train.distributed != "none" else 1
-
-
 def planned_steps(p: Params, tokens: float, sequences: int) -> int:
     """Optimizer steps as train.schedule counts them, before the cache exists: train.max_steps, else
     epochs x (micro-batches // (ranks x grad_accum)), the micro-batches from `tokens` (one epoch of
@@ -295,7 +294,7 @@ def planned_steps(p: Params, tokens: float, sequences: int) -> int:
     mean = tokens / max(sequences, 1)
     per_batch = max(1, int(train_params.batch_tokens // max(mean, 1)))
     micro = max(math.ceil(tokens / (train_params.batch_tokens * BATCH_FILL)), math.ceil(sequences / per_batch))
-    per_epoch = max(1, micro // (train_world(p) * train_params.grad_accum))
+    per_epoch = max(1, micro // (train_ranks(p) * train_params.grad_accum))
     return max(1, math.ceil(train_params.epochs * per_epoch))
 
 
@@ -342,7 +341,7 @@ def capacity_plan(p: Params, stats: Optional[DataStats] = None, memory: bool = T
     sequences = n_conv if p.train.max_sequences is None else min(n_conv, p.train.max_sequences)
     steps = planned_steps(p, sequences * tok_per_conv, sequences)
     if p.train.max_steps:
-        train_tokens = steps * train_world(p) * p.train.grad_accum * p.train.batch_tokens * BATCH_FILL
+        train_tokens = steps * train_ranks(p) * p.train.grad_accum * p.train.batch_tokens * BATCH_FILL
     else:
         train_tokens = p.train.epochs * sequences * tok_per_conv
     ckpt_bytes, ckpt_basis = checkpoint_bytes(p, shape)
@@ -355,7 +354,9 @@ def capacity_plan(p: Params, stats: Optional[DataStats] = None, memory: bool = T
                     total_params=shape.total_params, checkpoint_bytes=ckpt_bytes, checkpoint_basis=ckpt_basis,
                     drafter_flops_per_token=flops, cache_bytes_per_token=bytes_per_token,
                     served_tokens=train_tokens if online else 0.0,
-                    served_bytes=train_tokens * (4 * shape.hidden_size * engine_elem + 8) if online else 0.0)
+                    served_bytes=train_tokens * (4 * shape.hidden_size * engine_elem + 8) if online else 0.0,
+                    drafter_params=draft_p, frozen_params=shape.vocab_size * shape.hidden_size,
+                    micro_batch_tokens=p.train.batch_tokens * BATCH_FILL)
     host = host_for(p, shape.num_gpus, host_kind, recorded)
     measured = measured_rates(p, layout, stats)
     read_rate, read_basis = cache_read_rate(layout)
@@ -405,15 +406,17 @@ def capacity_plan(p: Params, stats: Optional[DataStats] = None, memory: bool = T
         "cache_read_bytes_per_s": read_rate,
         "cache_read_basis": read_basis,
         "throughput_basis": host_basis(host),
-        "gpu_memory_gb": p.train.gpu_memory_gb,
+        "gpu_kind": host.gpu,
+        "gpu_memory_gb": gpu_memory_budget(p.train),
+        "engine_memory": [r.as_dict() for r in engine_rows(p, host, ckpt_bytes)],
         "stages": {name: st.as_dict() for name, st in stages.items()},
         "total_hours": sum(st.seconds for st in stages.values() if not st.optional) / 3600,
     }
     if preflight:
         plan["preflight"] = [c.as_dict() for c in preflight_checks(p, plan)]
-    plan["problems"] = full_run_problems(p, plan, layout)
     if memory:
         plan["memory"] = memory_plan(p)
+    plan["problems"] = full_run_problems(p, plan, layout)     # after the memory: the trainer's step is one of them
     if modes:
         other = dataclasses.replace(p, extract=dataclasses.replace(
             p.extract, mode="offline" if online else "online", online_gpus=None))
@@ -422,9 +425,14 @@ def capacity_plan(p: Params, stats: Optional[DataStats] = None, memory: bool = T
     return plan
 
 
+def engine_rows(p: Params, host, ckpt_bytes: float) -> list:
+    """engine_memory.EngineMemory per vLLM engine kind on the planned GPUs ([] on this CPU)."""
+    return engine_memory(p, host.gpu, ckpt_bytes, REGEN_PROMPT_TOKENS) if host.gpus else []
+
+
 def host_basis(host) -> str:
     if host.gpus:
-        return f"{host.gpus} x {host.gpu} GPUs ({host.gpu_basis})"
+        return f"{host.gpus} x {host.gpu} GPUs ({host.gpu_basis}; {kind_figures(host.gpu)})"
     return f"this CPU, {host.kind.replace('_', ' ')} (rates measured by the recorded runs of this host kind)"
 
 
@@ -493,6 +501,7 @@ def format_plan(plan: dict) -> str:
     ]
     rows += stage_rows(plan)
     rows += mode_rows(plan)
+    rows += engine_memory_rows(plan)
     rows += memory_rows(plan)
     rows += preflight_table(plan)
     rows += problem_rows(plan)
@@ -523,6 +532,38 @@ def problem_rows(plan: dict) -> list:
     """(label, text) rows of full_run_problems: what stops the full run (refused) or may (warning)."""
     return [("REFUSED" if level == "refuse" else "WARNING", f"{key}: {text}")
             for level, key, text in plan.get("problems", [])]
+
+
+def engine_memory_rows(plan: dict) -> list:
+    """(label, text) rows of each vLLM engine's memory per GPU (engine_memory.py), with its basis."""
+    rows = []
+    for m in plan.get("engine_memory", []):
+        needs = "; ".join(f"{n['what']}: {n['gb']:,.1f} GB" + ("" if n["gb"] <= m["kv_room_gb"] else " DOES NOT FIT")
+                          for n in m["needs"])
+        rows.append((f"  {m['engine']}", f"{m['share_gb']:,.1f} of {m['memory_gb']:g} GB = weights "
+                     f"{m['weights_gb']:,.1f} + other {m['other_gb']:,.1f} + KV room {m['kv_room_gb']:,.1f} GB; "
+                     f"needs {needs}  [{m['basis']}]"))
+    return [("engine memory per GPU", "each vLLM engine's share of a GPU (target.gpu_memory_utilization) and "
+             "what its KV cache needs")] + rows if rows else []
+
+
+def mode_rows(plan: dict) -> list:
+    """(label, text) rows for format_plan."""
+    rows = []
+    for m in plan.get("modes", []):
+        text = f"{m['hours']:.2f} h for 03 + 04, disk {human_bytes(m['disk_bytes'])}"
+        if m["trainer_peak_gb"] is not None:
+            text += f"; per GPU: trainer {m['trainer_peak_gb']:.0f} of {m['trainer_budget_gb']:.0f} GB"
+            if m["server_gb_per_gpu"] is not None:
+                text += f", server {m['server_gb_per_gpu']:.0f} GB (weights {m['weights_gb_per_gpu']:.0f})"
+            text += "" if m["fits"] else "  DOES NOT FIT"
+            if m.get("server_share_max") == 0.0:
+                text += " (no target.gpu_memory_utilization holds the server's weights and leaves the trainer room)"
+            elif m.get("server_share_max") is not None:
+                text += f" (target.gpu_memory_utilization <= {m['server_share_max']:.2f} would leave the trainer room)"
+        rows.append((f"  {m['layout']}", f"{text}  [{m['basis']}]"))
+    return [("hidden states: offline or online", "each layout's hours, disk and per-GPU memory "
+             "(extract.mode, extract.online_gpus)")] + rows if rows else []
 
 
 def memory_rows(plan: dict) -> list:
@@ -588,7 +629,10 @@ def full_run_problems(p: Params, plan: dict, layout: Optional[RunLayout] = None)
     smoke slice would pass: warmup longer than MAX_WARMUP_FRACTION of the planned steps, no
     intermediate checkpoint, a disk too small for the caches, host memory too small for the held-out
     set, thinking-mode answers cut by regen_max_new_tokens; and the plan's preflight refusals and
-    warnings (tokenizer, lm_head, /dev/shm, disk read: preflight.py), keyed "preflight <check>"."""
+    warnings (tokenizer, lm_head, /dev/shm, disk read: preflight.py), keyed "preflight <check>"; on GPUs,
+    a trainer step over the GPU's memory (the plan's memory model at data.max_length), a vLLM engine whose
+    KV room holds less than one sequence or regeneration's batch, and online hidden states beside a
+    trainer that has no room (engine_memory.py)."""
     layout = layout or p.layout()
     train_params, steps, out = p.train, plan["planned_steps"], []
     warmup = planned_warmup(train_params, steps)
@@ -613,6 +657,7 @@ def full_run_problems(p: Params, plan: dict, layout: Optional[RunLayout] = None)
     thinking = thinking_problem(p)
     if thinking is not None:
         out.append(thinking)
+    out += gpu_memory_problems(p, plan)
     out += [(c["verdict"], f"preflight {c['name']}", c["text"]) for c in plan.get("preflight", [])
             if c["verdict"] in ("refuse", "warn")]
     available = plan["available_chats"] - p.data.num_eval
@@ -622,11 +667,36 @@ def full_run_problems(p: Params, plan: dict, layout: Optional[RunLayout] = None)
     return out
 
 
+def trainer_peak_gb(p: Params, plan: dict) -> Optional[float]:
+    """The memory model's per-GPU peak at data.max_length (GB), None where the plan has no memory section."""
+    est = plan.get("memory", {}).get(p.data.max_length)
+    return None if est is None else est["peak_bytes"] / 1e9
+
+
+def gpu_memory_problems(p: Params, plan: dict) -> list:
+    """[(level, key, text)]: the trainer's step over the GPU's memory (memory.fit_problem at data.max_length),
+    and on planned GPUs the engines' memory (engine_memory.engine_problems) and online hidden states
+    without room for the trainer (engine_memory.online_problem)."""
+    out = []
+    est = plan.get("memory", {}).get(p.data.max_length)
+    if est is not None and est["problem"]:
+        out.append(("refuse", "train.batch_tokens", f"{est['problem']} (data.max_length {p.data.max_length:,}: "
+                    f"{est['sequences']} sequences per micro-batch)"))
+    if not plan.get("gpu_kind"):
+        return out
+    rows = engine_memory(p, plan["gpu_kind"], plan["checkpoint_bytes"], REGEN_PROMPT_TOKENS)
+    out += engine_problems(p, rows)
+    online = online_problem(p, rows, trainer_peak_gb(p, plan))
+    return out + ([online] if online else [])
+
+
 def refuse_full_run(p: Params, layout: Optional[RunLayout] = None, log=print) -> list:
     """Before any stage of `eagle3 run`: raise ParamsError naming each refused figure and its fix;
-    log and return the warnings."""
+    log and return the warnings. A profile planned on GPUs gets the memory model too (seconds of
+    meta-device work) for the trainer's and the online server's memory checks."""
     layout = layout or p.layout()
-    plan = capacity_plan(p, measured_stats(layout), memory=False, layout=layout)
+    gpus = target_shape(p).num_gpus > 0
+    plan = capacity_plan(p, measured_stats(layout), memory=gpus, layout=layout)
     problems = full_run_problems(p, plan, layout)
     refused = [f"{key}: {text}" for level, key, text in problems if level == "refuse"]
     if refused:

@@ -5,7 +5,9 @@
 Four checks: the target's tokenizer loads under the installed transformers (its remote code's imports
 read first, then the tokenizer loaded); its lm_head is a plain float tensor found by name (the
 embedding stands in only where config.json ties them); /dev/shm holds what 04's DataLoader workers
-put there; the disk reads the hidden-state cache as fast as 04 trains. A verdict is "ok", "refuse",
+put there; the disk reads the hidden-state cache as fast as 04 trains. On GPUs without NVLink (PCIe
+only: gpus.pcie_only) a fifth: the installed NCCL has the PCIe peer-to-peer fix (2.31.2) or
+NCCL_P2P_DISABLE=1 is set. A verdict is "ok", "refuse",
 "warn" or "not checked"; a basis says "measured here (<host>)" or "assumed (...)". plan.full_run_problems
 turns refusals into the refusals of `eagle3 plan` (exit 4) and `eagle3 run` (before any stage).
 """
@@ -13,11 +15,10 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.metadata
 import importlib.util
-import json
 import os
 import socket
-import struct
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -25,13 +26,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
+from .checkpoint_keys import HEAD_SUFFIXES, TargetHeadError, head_key, read_config, weight_map
+from .gpus import pcie_only
 from .layout import RunLayout
-from .params import Params
+from .params import Params, train_ranks
 from .stage_times import BOX_CACHE_READ_BASIS, BOX_CACHE_READ_BYTES_PER_S, CACHE_READ_PART
 
-# Micro-batches each DataLoader worker of 04 holds ahead (batches.micro_batch_loader's prefetch_factor;
-# here, not in batches.py, so the light planners read it without torch; mode_plan re-exports it).
-PREFETCH_FACTOR = 2
 VERDICT_LABELS = {"ok": "ok", "refuse": "REFUSED", "warn": "WARNING", "not checked": "not checked"}
 SHM = "/dev/shm"
 # The disk read probe: at most this many bytes or seconds of one shard; fewer bytes than
@@ -40,13 +40,6 @@ READ_PROBE_BYTES = 256 * 2**20
 READ_PROBE_SECONDS = 2.0
 READ_PROBE_MIN_BYTES = 32 * 2**20
 READ_CHUNK = 8 * 2**20
-# The lm_head and embedding by name (as load_target_tensors reads them; MTP heads are not the target's).
-HEAD_SUFFIXES = ("lm_head.weight", "output.weight")
-EMBED_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")
-# Tensors beside a quantized layer's weight (compressed-tensors, GPTQ/AWQ, bitsandbytes).
-QUANTIZED_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_global_scale",
-                   "qweight", "qzeros", "scales", "g_idx", "SCB", "weight_format")
-FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")       # safetensors' names of plain float tensors
 # Names that moved inside transformers: (old module, name) -> where the installed version has it.
 MOVED_NAMES = {
     ("transformers.models.gpt2.tokenization_gpt2", "bytes_to_unicode"): "transformers.convert_slow_tokenizer",
@@ -67,7 +60,9 @@ class Check:
 def preflight_checks(p: Params, plan: dict) -> list:
     """Every check of the profile's full run on this machine, in order (plan: its capacity plan, with the
     cache disk's read rate from cache_read_rate)."""
-    return [tokenizer_check(p), head_check(p), shm_check(p, plan["hidden_size"]), disk_read_check(p, plan)]
+    checks = [tokenizer_check(p), head_check(p), shm_check(p, plan["hidden_size"]), disk_read_check(p, plan)]
+    kind = plan.get("gpu_kind")
+    return checks + ([nccl_check()] if kind and pcie_only(kind) else [])
 
 
 def preflight_table(plan: dict) -> list:
@@ -267,110 +262,6 @@ def _checkpoint_frame(e: BaseException, files: set) -> str:
 
 
 # ---- 2. the lm_head is a plain float tensor, found by name -------------------------------------------
-class TargetHeadError(ValueError):
-    """The checkpoint's lm_head cannot serve as the soft labels' head: missing and not tied, or quantized."""
-
-
-def read_config(folder: Path) -> dict:
-    """config.json of a checkpoint folder ({} without one)."""
-    f = Path(folder) / "config.json"
-    return json.loads(f.read_text()) if f.is_file() else {}
-
-
-def tied_embeddings(config: dict) -> Optional[bool]:
-    """tie_word_embeddings as the checkpoint states it: the language model's (text_config, for multimodal
-    wrappers such as Kimi-K2.5), else the top level's; None when neither says."""
-    text = config.get("text_config")
-    if isinstance(text, dict) and "tie_word_embeddings" in text:
-        return bool(text["tie_word_embeddings"])
-    return bool(config["tie_word_embeddings"]) if "tie_word_embeddings" in config else None
-
-
-def safetensors_header(file: Path) -> dict:
-    """The JSON header of a safetensors file ({tensor: {"dtype", "shape", "data_offsets"}}), read
-    without the safetensors package: an 8-byte little-endian length, then the JSON."""
-    with open(file, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > 1 << 28:
-            raise ValueError(f"{file}: not a safetensors file (header of {n} bytes)")
-        return json.loads(f.read(n))
-
-
-def weight_map(folder: Path) -> dict:
-    """{tensor name: safetensors file name} of a checkpoint folder, sharded or single-file ({} without weights)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return json.loads(index.read_text())["weight_map"]
-    single = folder / "model.safetensors"
-    if single.is_file():
-        return {k: single.name for k in safetensors_header(single) if k != "__metadata__"}
-    return {}
-
-
-def _find(keys, suffixes) -> Optional[str]:
-    for suffix in suffixes:                       # lm_head.weight before output.weight
-        for key in keys:
-            if key.endswith(suffix) and "mtp" not in key and "layers." not in key:
-                return key
-    return None
-
-
-def _module_name(key: str) -> str:
-    """The last component of a tensor's module ("lm_head" of "language_model.lm_head.weight_packed")."""
-    parts = key.split(".")
-    return parts[-2] if len(parts) >= 2 else ""
-
-
-def embed_key(weights: dict) -> Optional[str]:
-    """The input embedding's tensor name, or None."""
-    return _find(weights, EMBED_SUFFIXES)
-
-
-def head_like_keys(keys, limit: int = 8) -> list:
-    """The first `limit` names that look like an output head (for the error that names what it saw)."""
-    like = sorted(k for k in keys if any(w in k for w in ("lm_head", "output", "head")) and "layers." not in k)
-    return like[:limit]
-
-
-def head_key(folder: Path, weights: dict, config: dict) -> str:
-    """The tensor name of the checkpoint's lm_head as a plain float tensor; the embedding's name only
-    where config.json ties them (tied_embeddings). Raises TargetHeadError naming the checkpoint, the
-    head-like keys it holds and the fix, for a missing untied head or a quantized one."""
-    key = _find(weights, HEAD_SUFFIXES)
-    if key is not None:
-        module = key[: -len(".weight")]
-        companions = sorted(k for k in weights
-                            if k.startswith(module + ".") and k.rsplit(".", 1)[-1] in QUANTIZED_PARTS)
-        dtype = safetensors_header(Path(folder) / weights[key]).get(key, {}).get("dtype")
-        if companions or (dtype is not None and dtype not in FLOAT_DTYPES):
-            what = f"stored beside {', '.join(companions[:4])}" if companions else f"dtype {dtype}"
-            raise TargetHeadError(quantized_head_text(folder, key, what))
-        return key
-    quantized = sorted(k for k in weights if k.rsplit(".", 1)[-1] in QUANTIZED_PARTS and "mtp" not in k
-                       and "layers." not in k and _module_name(k) in ("lm_head", "output"))
-    if quantized:
-        raise TargetHeadError(quantized_head_text(folder, quantized[0], f"no plain {HEAD_SUFFIXES[0]} beside it"))
-    tied = tied_embeddings(config)
-    embed = embed_key(weights)
-    if tied and embed is not None:
-        return embed
-    said = ("not stated" if tied is None else "true, but no embedding tensor was found" if tied else "false")
-    seen = head_like_keys(weights) or sorted(weights)[-5:]
-    raise TargetHeadError(
-        f"target checkpoint {folder}: no lm_head tensor (a name ending in {' or '.join(HEAD_SUFFIXES)}) and "
-        f"config.json's tie_word_embeddings is {said}, so the embedding cannot stand in for it (every soft label "
-        f"would be wrong). Head-like keys it holds: {seen or 'none'} ({len(weights):,} tensors). Fix: point "
-        "target.path at a checkpoint whose lm_head is stored as a plain float tensor (its original release), "
-        "or, if the model does tie its head to the embedding, set tie_word_embeddings: true in its config.json")
-
-
-def quantized_head_text(folder: Path, key: str, what: str) -> str:
-    return (f"target checkpoint {folder}: the lm_head is not a plain float tensor ({key}: {what}); the soft labels "
-            "need the head in bf16/fp32. Fix: use a checkpoint that keeps lm_head unquantized (the quantization "
-            "config's ignore list: Kimi-K2.5's release quantizes only its routed experts) or write it dequantized as "
-            "lm_head.weight")
-
-
 def head_check(p: Params) -> Check:
     """head_key on the target's folder: ok naming the tensor (and "tied" for the embedding), refuse with its error."""
     folder, why = checkpoint_folder(p)
@@ -392,10 +283,6 @@ def head_check(p: Params) -> Check:
 
 
 # ---- 3. /dev/shm holds 04's collated micro-batches ---------------------------------------------------
-def train_ranks(p: Params) -> int:
-    return p.train.nproc if p.train.distributed != "none" else 1
-
-
 def collated_bytes_per_token(p: Params, hidden_size: int) -> int:
     """One token of a collated micro-batch (batches.collate): aux (3 states) and final in the cache
     dtype, an int64 id and a bool mask."""
@@ -406,6 +293,7 @@ def collated_bytes_per_token(p: Params, hidden_size: int) -> int:
 def shm_need_bytes(p: Params, hidden_size: int) -> float:
     """Bytes 04's DataLoader workers hold in shared memory at once: ranks x workers x the prefetch
     factor x one micro-batch (train.batch_tokens collated tokens); 0 without workers."""
+    from .batches import PREFETCH_FACTOR  # the loader's (torch): planners sit above what they model
     t = p.train
     return float(train_ranks(p) * t.num_workers * PREFETCH_FACTOR * t.batch_tokens
                  * collated_bytes_per_token(p, hidden_size))
@@ -428,6 +316,7 @@ def shm_check(p: Params, hidden_size: int, free: Optional[float] = None, path: s
         return Check(path, "ok", "train.num_workers is 0: micro-batches are collated in the training process, "
                      "nothing goes through shared memory", "nothing to measure")
     free = shm_free_bytes(path) if free is None else free
+    from .batches import PREFETCH_FACTOR
     how = (f"04's DataLoader holds ~{_bytes(need)} there ({train_ranks(p)} ranks x {t.num_workers} workers x "
            f"prefetch {PREFETCH_FACTOR} x {_bytes(need / (train_ranks(p) * t.num_workers * PREFETCH_FACTOR))} "
            f"micro-batches: {t.batch_tokens:,} tokens x (3 aux + 1 final) x hidden {hidden_size} in "
@@ -507,3 +396,41 @@ def disk_read_check(p: Params, plan: dict) -> Check:
                      + ("; the plan's 04 takes the read time" if planned else "") + "). Fix: the cache on faster "
                      "storage (NVMe RAID 0) or a page cache that holds it", basis)
     return Check("disk read", "ok", f"{how} ({need / rate:.0%} of it)", basis)
+
+
+# ---- 5. NCCL over PCIe ---------------------------------------------------------------------------------
+# Peer-to-peer over PCIe between these GPUs is reported to hang or corrupt collectives with NCCL before
+# 2.31.2 (fixed there); the reported workaround is NCCL_P2P_DISABLE=1 (through host memory, slower).
+NCCL_P2P_FIXED = (2, 31, 2)
+NCCL_PACKAGES = ("nvidia-nccl-cu13", "nvidia-nccl-cu12")     # the NCCL that torch's and vLLM's CUDA wheels load
+
+
+def nccl_version() -> Optional[tuple]:
+    """The installed NCCL wheel's version as a tuple of ints, None where none is installed."""
+    for name in NCCL_PACKAGES:
+        try:
+            return tuple(int(x) for x in importlib.metadata.version(name).split(".")[:3] if x.isdigit())
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def nccl_check(version: Optional[tuple] = None, env: Optional[dict] = None) -> Check:
+    """PCIe-only GPUs: warn unless the installed NCCL is >= NCCL_P2P_FIXED or NCCL_P2P_DISABLE=1 is set here
+    (every stage's processes inherit the environment of `eagle3 run`)."""
+    env = os.environ if env is None else env
+    version = nccl_version() if version is None else version
+    fixed = ".".join(map(str, NCCL_P2P_FIXED))
+    disabled = env.get("NCCL_P2P_DISABLE") == "1"
+    basis = f"{here()}: {' / '.join(NCCL_PACKAGES)} and NCCL_P2P_DISABLE read"
+    if disabled:
+        return Check("nccl p2p", "ok", "NCCL_P2P_DISABLE=1: collectives go through host memory", basis)
+    if version is None:
+        return Check("nccl p2p", "not checked", f"no NCCL installed on this machine; on the box NCCL >= {fixed} "
+                     "or `export NCCL_P2P_DISABLE=1` before `eagle3 run`", basis)
+    found = ".".join(map(str, version))
+    if version >= NCCL_P2P_FIXED:
+        return Check("nccl p2p", "ok", f"NCCL {found} has the PCIe peer-to-peer fix ({fixed})", basis)
+    return Check("nccl p2p", "warn", f"NCCL {found} predates the PCIe peer-to-peer fix ({fixed}): collectives "
+                 f"between these GPUs may hang or corrupt. Fix: `export NCCL_P2P_DISABLE=1` before `eagle3 run`, or "
+                 f"an NCCL >= {fixed}", basis)

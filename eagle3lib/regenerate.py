@@ -28,6 +28,11 @@ Rules (documented choices):
   the chat is dropped (counted `dropped_empty`).
 - A turn whose prompt already has `data.max_length` tokens or more is not generated (training
   would truncate it away); if that is the first turn the chat is dropped (`dropped_too_long`).
+- A chat whose text holds the text of a special token of the target's tokenizer
+  (chat_template.control_token_text: `<|im_end|>\n<|im_start|>assistant` typed into a user message)
+  is never sent: rendered, that text would become the control tokens themselves. It is counted
+  (`dropped_control_token_text`). The ids the target generates are kept as they come, its own control
+  tokens (tool-call markers) included.
 - Chats with tools: every prompt is rendered with the chat's tools declaration (`tools=`), so the
   target answers with its own tool-call markers, which the generated ids keep. The chat ends after an
   answer that the dataset's tool results follow (counted `cut_at_tool_result` when it would have gone
@@ -60,7 +65,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, Optional
 
-from .chat_template import prompt_ids, split_reasoning
+from .chat_template import control_token_text, prompt_ids, split_reasoning
 from .engine import engine_env, engine_kwargs
 from .files import atomic_write_bytes, atomic_write_json
 from .layout import RunLayout
@@ -450,8 +455,12 @@ def regenerate_chats(params, run_dir, chats: list[dict], progress: bool = True) 
     """Regenerate `chats` (normalised, with ids). Returns (kept chats with the target's answers:
     {"id", "messages", "input_ids", "loss_mask"} (token_sequence), stats). Finished chats in the
     chunk files are reused (matched by prompt_key: same id and same prompt turns); only the others
-    are generated."""
+    are generated. Chats whose text holds control-token text are not sent (counted)."""
     d = params.data
+    model_path = target_path(params)
+    tokenizer = load_tokenizer(model_path, params.target.trust_remote_code)
+    asked = len(chats)
+    chats = [c for c in chats if control_token_text(tokenizer, c["messages"], c.get("tools")) is None]
     out_dir = RunLayout(run_dir).regen(regen_key(params))
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "config.json", {"key": regen_key(params), "backend": resolve_backend(params),
@@ -466,7 +475,6 @@ def regenerate_chats(params, run_dir, chats: list[dict], progress: bool = True) 
     pending = [c for c in chats if keys[c["id"]] not in done]
     from_cache = len(set(keys.values()) & set(done))
     backend = resolve_backend(params)
-    model_path = target_path(params)
     run = {"new_tokens": 0, "seconds": 0.0}
     if pending:
         if backend == "vllm":
@@ -493,13 +501,14 @@ def regenerate_chats(params, run_dir, chats: list[dict], progress: bool = True) 
             kept.append({"id": chat["id"], "messages": r["messages"], "input_ids": input_ids,
                          "loss_mask": loss_mask, **({"tools": chat["tools"]} if chat.get("tools") else {})})
     picked = [results[keys[c["id"]]] for c in chats]
-    stats = {"backend": backend, "conversations": len(chats), "regenerated": len(pending),
+    stats = {"backend": backend, "conversations": asked, "regenerated": len(pending),
              "from_cache": from_cache, "kept": len(kept),
              "dropped_empty": status["empty"], "dropped_too_long": status["too_long"],
              "empty_outputs": sum(r["empty_outputs"] for r in picked),
              "capped": sum(bool(r["capped"]) for r in picked),
              "cut_inconsistent": sum(bool(r["inconsistent"]) for r in picked),
              "cut_at_tool_result": sum(bool(r.get("cut_at_tool")) for r in picked),
+             "dropped_control_token_text": asked - len(chats),
              "assistant_turns": sum(r["turns"] for r in picked),
              "new_tokens_total": sum(r["new_tokens"] for r in picked),
              "new_tokens_this_run": run["new_tokens"], "seconds_this_run": run["seconds"],

@@ -202,12 +202,14 @@ def index_markdown(run: dict) -> str:
                   f"- params: `{runner.get('params_path', '?')}`", ""]
     lines += ["| stage | quantity | value |", "|---|---|---|"]
     lines += [f"| {s} | {label} | {fmt(v)} |" for s, label, v in headline_rows(m)]
-    times = runner.get("stage_seconds", {})
+    times, incomplete = runner.get("stage_seconds", {}), runner.get("incomplete", {})
     lines += ["", "| stage | notebook | wall time (s) |", "|---|---|---|"]
     for stage, stem in NOTEBOOKS.items():
         if stage in OPTIONAL_NOTEBOOKS and stage not in times:       # a study this run did not run
             continue
-        lines.append(f"| {stage} | {_notebook_links(stem, run.get('executed', set()))} | {fmt(times.get(stage))} |")
+        why = f" (incomplete: {incomplete[stage]})".replace("|", "/") if stage in incomplete else ""
+        lines.append(f"| {stage} | {_notebook_links(stem, run.get('executed', set()))} | "
+                     f"{fmt(times.get(stage))}{why} |")
     if run.get("explorer"):
         lines += ["", "Where the drafter fails, token by token: "
                   "[the acceptance explorer](eval/explorer/explorer.html)."]

@@ -7,9 +7,16 @@ are validated before anything heavy starts, and the run holds outputs/<run>/.loc
 
 While a notebook runs, the terminal shows papermill's cell counter and the library's own progress
 bars as text lines (progress.py; the kernel's stderr is streamed here), after the stage's expected
-duration (the capacity plan, or the same stage's wall time in this run folder's last run). After
-every stage, finished or failed, the runner records its wall time in metrics.json (section
+duration (the capacity plan, or the same stage's wall time in this run folder's last completed run).
+After every stage, finished or failed, the runner records its wall time in metrics.json (section
 `runner`, with the git commit and the machine) and rewrites outputs/<run>/index.html (report.py).
+
+A stage that ends early (a failing cell, Ctrl-C, a kernel killed by the OOM killer, a full or
+read-only disk) is recorded in `runner.incomplete` and marked so on the index page; the run ends in
+one `eagle3:` line naming the stage, the path and the fix. papermill's saves of the executed copy
+are atomic (temp name, fsync, rename), so a copy is never left truncated; a copy that stopped
+part-way gets a first cell saying so, or is removed where it cannot be marked (a full disk), and
+the previous run's .html of the stage is removed when the stage starts.
 
 `run_smoke` (`eagle3 run --smoke`) runs the same stages on the profile's smoke slice (smoke.py) in
 outputs/<run_name>-smoke/, training in two legs (the second resumes the first's checkpoint), and
@@ -21,14 +28,25 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import secrets
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from .chats import check_sources
-from .files import atomic_write_bytes, is_strictly_inside, read_metrics, remove_tree, run_lock, update_metrics
+from .files import (
+    atomic_write_bytes,
+    describe_write_failure,
+    fsync_file,
+    is_strictly_inside,
+    read_metrics,
+    remove_tree,
+    run_lock,
+    update_metrics,
+    write_failure_reason,
+)
 from .layout import RunLayout
 from .page_check import BrowserMissing, PageCheck, check_page
 from .params import Params, ParamsError, check_run_name, dump, load_params, repo_root, resolve_path
@@ -53,7 +71,8 @@ OPTIONAL_STAGES = OPTIONAL_NOTEBOOKS
 
 
 class NotebookFailed(RuntimeError):
-    """A notebook raised; the message names the notebook and the cell."""
+    """A stage ended early: a cell raised, its kernel died, or its executed copy could not be written;
+    the message names the stage (the notebook and the cell where one raised), the path and the fix."""
 
 
 class RunInterrupted(RuntimeError):
@@ -88,8 +107,25 @@ def export_html(notebook: Path) -> Path:
     nb = nbformat.read(str(notebook), as_version=4)
     body, _ = HTMLExporter().from_notebook_node(nb)
     out = notebook.with_suffix(".html")
-    out.write_text(body)
+    write_and_rename(out, lambda tmp: tmp.write_text(body, encoding="utf-8"))
     return out
+
+
+def write_and_rename(path: Path, write: Callable[[Path], None]) -> None:
+    """`write(temp)` to a temp name beside `path`, fsync, rename over `path`: the file is whole or
+    as it was, never truncated, and has the mode a plain write gives it (umask). The temp is removed
+    on failure; an OSError naming no file (a write() on a full disk) or the temp names `path`."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        write(tmp)
+        fsync_file(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, e.filename if e.filename not in (None, str(tmp)) else str(path)) from e
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _failed_cell(exc) -> str:
@@ -205,12 +241,22 @@ def _throughput_seconds(p: Params, plan: dict) -> dict:
 
 
 def expected_seconds(p: Params, layout: RunLayout) -> dict:
-    """{stage: (seconds, basis)}: this run folder's last wall time of the stage, else the capacity
-    plan's hours for regeneration (data), extraction and training; stages with neither are absent."""
+    """{stage: (seconds, basis)}: this run folder's last wall time of the stage where it completed
+    (completed_seconds), else the capacity plan's hours for regeneration (data), extraction and
+    training; stages with neither are absent. A stage that ended early never sets the expectation."""
     plan = capacity_plan(p, measured_stats(layout), memory=False, layout=layout)   # hours only: no meta-device run
     out = planned_seconds(p, plan)
-    last = read_metrics(layout.metrics).get("runner", {}).get("stage_seconds", {})
-    out.update({stage: (s, "this run folder's last run") for stage, s in last.items()})
+    out.update({stage: (s, "this run folder's last run") for stage, s in completed_seconds(layout).items()})
+    return out
+
+
+def completed_seconds(layout: RunLayout) -> dict:
+    """{stage: wall seconds of its last completed run} from metrics.json's runner section (a file
+    written before completed_seconds existed: its stage_seconds of stages not marked incomplete)."""
+    runner = read_metrics(layout.metrics).get("runner", {})
+    incomplete = runner.get("incomplete", {})
+    out = {stage: s for stage, s in runner.get("stage_seconds", {}).items() if stage not in incomplete}
+    out.update(runner.get("completed_seconds", {}))
     return out
 
 
@@ -236,25 +282,104 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
-def mark_interrupted(notebook: Path, seconds: float) -> None:
-    """Put a first cell into an executed copy saying it stopped part-way (Ctrl-C), so it does not
-    read as a finished run."""
+# Why a stage ended early, as runner.incomplete and the index page say it.
+INTERRUPTED = "interrupted (Ctrl-C)"
+KERNEL_DIED = "the kernel died (killed: out of memory, or kill -9)"
+
+
+def mark_incomplete(notebook: Path, seconds: float, why: str = INTERRUPTED, log=print) -> None:
+    """Put a first cell into an executed copy saying it stopped part-way (`why`), so it does not read
+    as a finished run. A copy that cannot be read or marked (truncated, a full disk) is removed."""
     import nbformat
+    if not notebook.exists():
+        return
     try:
         nb = nbformat.read(str(notebook), as_version=4)
-    except (OSError, ValueError):                 # killed while papermill wrote it: nothing to mark
-        return
-    nb.cells.insert(0, nbformat.v4.new_markdown_cell(
-        f"**Interrupted (Ctrl-C) after {_duration(seconds)}: this executed copy is incomplete.**"))
-    atomic_write_bytes(notebook, nbformat.writes(nb).encode())
+        nb.cells.insert(0, nbformat.v4.new_markdown_cell(
+            f"**{why[0].upper() + why[1:]} after {_duration(seconds)}: this executed copy is incomplete.**"))
+        write_and_rename(notebook, lambda tmp: tmp.write_text(nbformat.writes(nb), encoding="utf-8"))
+    except (OSError, ValueError) as e:            # NotJSONError is a ValueError
+        try:
+            notebook.unlink(missing_ok=True)
+            log(f"[eagle3] removed {notebook}: it stopped part-way and could not be marked so ({e})")
+        except OSError as gone:                   # a read-only disk
+            log(f"[eagle3] WARNING: {notebook} stopped part-way and could neither be marked nor removed ({gone})")
 
 
-def _finish_stage(layout: RunLayout, stage: str, seconds: float, log) -> None:
-    """Record the stage's wall time and rewrite the run's index page (also after a failure)."""
-    metrics = read_metrics(layout.metrics)
-    times = {**metrics.get("runner", {}).get("stage_seconds", {}), stage: round(seconds, 1)}
-    update_metrics(layout.root, "runner", {"stage_seconds": times})
+def _finish_stage(layout: RunLayout, stage: str, seconds: float, log, incomplete: Optional[str] = None,
+                  extra: Optional[dict] = None) -> None:
+    """Record the stage's wall time (and, for a completed one, completed_seconds; for one that ended
+    early, why in `incomplete`) and rewrite the run's index page (also after a failure)."""
+    runner = read_metrics(layout.metrics).get("runner", {})
+    times = {**runner.get("stage_seconds", {}), stage: round(seconds, 1)}
+    pending = {k: v for k, v in runner.get("incomplete", {}).items() if k != stage}
+    completed = dict(runner.get("completed_seconds", {}))
+    if incomplete is None:
+        completed[stage] = round(seconds, 1)
+    else:
+        pending[stage] = incomplete
+    update_metrics(layout.root, "runner", {"stage_seconds": times, "incomplete": pending,
+                                           "completed_seconds": completed, **(extra or {})})
     log(f"[eagle3] report: {write_index(layout.root)}")
+
+
+def _ended_early(layout: RunLayout, stage: str, notebook: Path, seconds: float, why: str, html: bool, log,
+                 mark: bool = True, extra: Optional[dict] = None) -> None:
+    """A stage that ended early: its executed copy marked incomplete (mark; papermill marks a failed
+    cell itself) and exported again, its time and `why` recorded, the index rewritten, each as far
+    as the disk allows (a full disk may refuse them: said in a log line, the run's error line follows)."""
+    if mark:
+        mark_incomplete(notebook, seconds, why, log)
+    try:
+        if html and notebook.is_file():
+            export_html(notebook)
+        _finish_stage(layout, stage, seconds, log, incomplete=why, extra=extra)
+    except OSError as e:
+        log(f"[eagle3] {stage}: the stage's time and the index page could not be written "
+            f"({describe_write_failure(e)})")
+
+
+def _clear_previous_copy(notebook: Path) -> None:
+    """Before a stage runs: the previous run's .html of it (it would pass for this run's) and the
+    temp files of saves (write_and_rename) a killed runner left."""
+    html = notebook.with_suffix(".html")
+    html.unlink(missing_ok=True)
+    for path in (notebook, html):
+        for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+            tmp.unlink(missing_ok=True)
+
+
+class AtomicNotebookWrites:
+    """papermill's I/O handler for the executed copies in one folder: each save (after every cell)
+    goes through write_and_rename, so a full disk or a kill mid-save leaves the copy of the last
+    finished save, never a truncated file. Reads go to papermill's local handler."""
+
+    def __init__(self, local):
+        self.local = local
+
+    def read(self, path):
+        return self.local.read(path)
+
+    def listdir(self, path):
+        return self.local.listdir(path)
+
+    def pretty_path(self, path):
+        return path
+
+    def write(self, buf, path):
+        write_and_rename(Path(path), lambda tmp: self.local.write(buf, str(tmp)))
+
+
+_ATOMIC_FOLDERS: set = set()
+
+
+def atomic_notebook_writes(folder: Path) -> None:
+    """Register AtomicNotebookWrites for the paths under `folder` with papermill (once per folder)."""
+    from papermill.iorw import LocalHandler, papermill_io  # heavy (jupyter): only where notebooks run
+    prefix = os.path.join(str(folder), "")
+    if prefix not in _ATOMIC_FOLDERS:
+        papermill_io.register(prefix, AtomicNotebookWrites(LocalHandler()))   # matched before "local"
+        _ATOMIC_FOLDERS.add(prefix)
 
 
 def _run_stage(stage: str, layout: RunLayout, notebooks_dir: Path, parameters: dict, html: bool,
@@ -262,6 +387,7 @@ def _run_stage(stage: str, layout: RunLayout, notebooks_dir: Path, parameters: d
     """Execute one notebook into the run folder (with an HTML export); NotebookFailed names the cell.
     label: the name of this execution (its executed copy and its wall time; default: the stage)."""
     import papermill as pm  # heavy (jupyter); `eagle3 params/plan` stay light
+    from nbclient.exceptions import DeadKernelError
     from papermill.exceptions import PapermillExecutionError
 
     label = label or stage
@@ -274,32 +400,44 @@ def _run_stage(stage: str, layout: RunLayout, notebooks_dir: Path, parameters: d
     log(f"[eagle3] {label}: {src.name} -> {dst}{eta}")
     t0 = time.time()
     try:
+        _clear_previous_copy(dst)
+        atomic_notebook_writes(dst.parent)
         with _streaming_kernel_progress():
             pm.execute_notebook(str(src), str(dst), cwd=str(notebooks_dir), kernel_name="python3",
                                 parameters=parameters, progress_bar=True, log_output=False,
                                 stderr_file=sys.stderr)
+        out_html = export_html(dst) if html else None
     except PapermillExecutionError as e:
-        if html and dst.is_file():
-            export_html(dst)
-        _finish_stage(layout, label, time.time() - t0, log)
+        why = f"failed at cell {getattr(e, 'cell_index', '?')}"
+        _ended_early(layout, label, dst, time.time() - t0, why, html, log, mark=False)
         raise NotebookFailed(f"notebook {src.name} failed at {_failed_cell(e)} "
                              f"(executed copy: {dst})") from None
     except KeyboardInterrupt:                       # Ctrl-C: leave the same trace as a failed cell
         seconds = time.time() - t0
-        if dst.is_file():
-            mark_interrupted(dst, seconds)
-            if html:
-                export_html(dst)
-        update_metrics(layout.root, "runner", {"interrupted": {"stage": label, "after_seconds": round(seconds, 1),
-                                                               "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}})
-        _finish_stage(layout, label, seconds, log)
+        _ended_early(layout, label, dst, seconds, INTERRUPTED, html, log,
+                     extra={"interrupted": {"stage": label, "after_seconds": round(seconds, 1),
+                                            "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}})
         raise RunInterrupted(f"interrupted (Ctrl-C) in stage {label} after {_duration(seconds)}; the executed copy "
                              f"{dst} is incomplete. Rerun the same command to go on: finished stages and "
                              f"checkpoints are kept") from None
-    out_html = export_html(dst) if html else None
+    except DeadKernelError:                         # kill -9 of the kernel: the OOM killer, most often
+        seconds = time.time() - t0
+        _ended_early(layout, label, dst, seconds, KERNEL_DIED, html, log)
+        raise NotebookFailed(f"stage {label}: the notebook's kernel died after {_duration(seconds)} (killed: the "
+                             f"out-of-memory killer, or kill -9; `dmesg | grep -i -e oom -e killed` tells which); "
+                             f"the executed copy {dst} is incomplete. Give the stage more memory (stop other "
+                             f"processes, or lower the profile's batch sizes), then rerun the same command: "
+                             f"finished stages and checkpoints are kept") from None
+    except OSError as e:                            # a full or read-only disk, while papermill saved the copy
+        _ended_early(layout, label, dst, time.time() - t0, write_failure_reason(e), html, log)
+        raise NotebookFailed(f"stage {label}: {describe_write_failure(e, dst)}") from None
     result = StageResult(label, dst, out_html, time.time() - t0)
     log(f"[eagle3] {label}: done in {result.seconds:.0f} s")
-    _finish_stage(layout, label, result.seconds, log)
+    try:
+        _finish_stage(layout, label, result.seconds, log)
+    except OSError as e:
+        raise NotebookFailed(f"stage {label} finished, but its time and the index page could not be written: "
+                             f"{describe_write_failure(e)}") from None
     return result
 
 

@@ -23,9 +23,11 @@ from .params import (
     Params,
     check_run_name,
     data_sources,
+    gpu_memory_budget,
     max_warmup_steps,
     regen_cap_problem,
     suffix_stage,
+    train_ranks,
     validate,
 )
 from .regenerate import resolve_backend as resolve_regen_backend
@@ -72,11 +74,6 @@ def smoke_run_name(run_name: str) -> str:
 def _cap(value: Optional[int], limit: int) -> int:
     """min(value, limit), where None (all) counts as unlimited."""
     return limit if value is None else min(value, limit)
-
-
-def train_ranks(p: Params) -> int:
-    """The trainer's processes: train.nproc under ddp / fsdp, else one."""
-    return p.train.nproc if p.train.distributed != "none" else 1
 
 
 def smoke_chats(p: Params, s: Slice, sequence_tokens: int, new_tokens: int) -> int:
@@ -182,7 +179,8 @@ def branches(p: Params) -> dict:
     return {
         "target": [tg.path, tg.dtype, tg.trust_remote_code],
         "engine layout": {"tensor_parallel": tg.tensor_parallel_size, "data_parallel": tg.data_parallel_size,
-                          "expert_parallel": tg.enable_expert_parallel, "enforce_eager": tg.enforce_eager},
+                          "expert_parallel": tg.enable_expert_parallel, "enforce_eager": tg.enforce_eager,
+                          "attention_backend": tg.attention_backend},
         "data sources": [path for path, _, _ in data_sources(d.source)],
         "regeneration": regen,
         "regeneration scope": "off" if regen == "off" else "partial" if partial else "all chats",
@@ -208,7 +206,7 @@ def branches(p: Params) -> dict:
                       "feature_noise": train_params.feature_noise > 0,
                       "init_from_layer": train_params.init_from_layer is not None,
                       "freeze_lm_head": train_params.freeze_lm_head},
-        "memory check": train_params.gpu_memory_gb is not None,
+        "memory check": gpu_memory_budget(train_params) is not None,
         "time budget": train_params.time_budget_minutes is not None,
         "tracking": train_params.tracking,
         "reference decoder": e.reference_decoder,

@@ -12,11 +12,13 @@ which overlap its compute: 04 takes the larger). Every part carries its basis, s
 - This CPU (no cuda device in the profile): the rates are those of the newest recorded run on
   this host kind (bench/recorded_stage_times.json: native bf16 or AVX2-only), scaled to the
   profile's model sizes and settings; fixed costs not in a record are assumed constants below.
-- GPUs: training from the one-rank H200 measurement at Kimi shapes (NOTES.md), scaled per GPU
-  kind by dense bf16 FLOP/s; extraction bounded by compute (FLOPs at an assumed MFU) plus the
-  cache's I/O (the connector's synchronous save in one worker, the parent's re-read and re-write,
-  the writer's sha256); regeneration and eval decoding from HBM bandwidth (bytes read per decode
-  step / bandwidth, times the batch), never an MFU.
+- GPUs (the kind's figures: gpus.py, train.gpu_kind): training from the one-rank H200 measurement at
+  Kimi shapes (NOTES.md), scaled per GPU kind by dense bf16 FLOP/s, each step at least the time its
+  FSDP collectives take over the kind's interconnect (NVLink or PCIe; a model, assumed);
+  extraction bounded by compute (FLOPs at an assumed MFU) plus the cache's I/O (the connector's
+  synchronous save in one worker, the parent's re-read and re-write, the writer's sha256);
+  regeneration and eval decoding from HBM bandwidth (bytes read per decode step / bandwidth, times
+  the batch; an MLA target's KV cache is read whole by every GPU), never an MFU.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .gpus import GPU_KINDS, INTERCONNECT
 from .params import Params, cpu_has_native_bf16, repo_root, suffix_stage
 
 # The stages a full run executes, in order (runner.STAGES without the optional study).
@@ -69,20 +72,24 @@ CPU_TINY_DRAFTER_CAP = 2.8
 CPU_SPEC_SPEEDUP = 1.4           # measured: vLLM CPU n-gram / EAGLE-3 1.38-1.58x plain (NOTES.md)
 CPU_BF16_TRAIN_SPEEDUP = 3.0     # measured: bf16 autocast 2.5-4x fp32 on a native-bf16 CPU (bench/train.py, NOTES)
 
-# ---- GPUs: datasheet figures per kind (assumed) and the trainer measurement --------------------
-# kind: (dense bf16 FLOP/s, HBM bytes/s, memory GB) per GPU, vendor datasheets.
-GPU_KINDS = {"H100": (0.989e15, 3.35e12, 80), "H200": (0.989e15, 4.8e12, 141),
-             "B200": (2.25e15, 8.0e12, 180), "B300": (2.25e15, 8.0e12, 288)}
+# ---- GPUs: datasheet figures per kind (assumed; gpus.GPU_KINDS, INTERCONNECT) and the trainer measurement ----
 # measured: one H200 rank at Kimi-K2.5 shapes (H 7168, draft vocab 32k), ttt 7, 32,768-token
 # micro-batches, flex attention + activation checkpointing, bf16 autocast, AdamW (NOTES.md,
 # bench/gpu_check.sh): 8,573 tok/s at 16 x 2,048, 8,312 at 8 x 4,096.
 H200_TRAIN_TOKENS_PER_S = 8573.0
 H200_TRAIN_BASIS = {"ttt_steps": 7, "hidden_size": 7168, "draft_vocab_size": 32000}
 FSDP_SCALING = 0.9               # assumed: per-rank throughput kept under FSDP across the node's ranks
+# Bytes each rank moves per micro-batch in the trainer's collectives (a model, assumed; times (n-1)/n of a ring):
+# FSDP all-gathers the bf16 trainable weights in forward and again in backward and reduce-scatters their
+# gradients (3 x 2 bytes per trainable parameter), and all-gathers the frozen bf16 embedding in forward;
+# DDP all-reduces fp32 gradients (reduce-scatter + all-gather: 2 x 4 bytes per trainable parameter).
+FSDP_BYTES_PER_TRAINABLE = 3 * 2
+FSDP_BYTES_PER_FROZEN = 2
+DDP_BYTES_PER_TRAINABLE = 2 * 4
 MFU_EXTRACT = 0.30               # assumed: prefill of a MoE target in vLLM (compute-bound)
 HBM_EFFICIENCY = 0.5             # assumed: share of peak HBM bandwidth a decode step achieves
 DECODE_STEP_FLOOR_S = 0.015      # assumed: one decode step of a 61-layer TP-8 engine (launches, all-reduces) at least
-REGEN_DECODE_BATCH = 256         # assumed: sequences vLLM decodes at once in regeneration (max_num_seqs, KV room)
+REGEN_DECODE_BATCH = 256         # assumed: sequences vLLM decodes at once in regeneration without target.max_num_seqs
 GPU_SPEC_SPEEDUP = 1.5           # assumed: speculative modes vs plain decoding in eval
 # The cache's I/O (vLLM backend): the connector saves each batch's states synchronously in one
 # worker, the parent process reads them back and writes the shard, and the writer hashes it.
@@ -156,6 +163,9 @@ class Workload:
     cache_bytes_per_token: float = 0.0   # one cached token on disk (aux + final states, id, mask)
     served_tokens: float = 0.0   # extract.mode online: tokens the server prefills during training
     served_bytes: float = 0.0    # and the connector files it writes for them (staging, deleted once read)
+    drafter_params: float = 0.0  # trainable drafter parameters (the trainer's collectives move them)
+    frozen_params: float = 0.0   # frozen ones FSDP gathers too (the target's embedding)
+    micro_batch_tokens: float = 0.0   # real tokens of one micro-batch (train.batch_tokens less padding)
 
 
 @dataclass
@@ -204,7 +214,10 @@ def cpu_host(kind: Optional[str] = None, runs: Optional[list] = None) -> Host:
 
 
 def gpu_kind(p: Params) -> tuple[str, str]:
-    """(kind, basis): the GPU whose memory is nearest train.gpu_memory_gb (B300 without it)."""
+    """(kind, basis): train.gpu_kind, else the GPU whose memory is nearest train.gpu_memory_gb (B300
+    without either)."""
+    if p.train.gpu_kind is not None:
+        return p.train.gpu_kind, "train.gpu_kind"
     gb = p.train.gpu_memory_gb
     if gb is None:
         return "B300", "assumed (train.gpu_memory_gb not set)"
@@ -237,7 +250,8 @@ def eval_modes(p: Params, stage: str) -> list:
     suffix = ["suffix"] if suffix_stage(p.eval) == stage else []
     if stage == "ngram":
         return ["plain"] + [f"ngram_k{k}" for k in p.eval.ngram_k] + suffix
-    return ["plain", f"ngram_k{p.eval.k}"] + suffix + [f"eagle3_k{p.eval.k}"]
+    return (["plain", f"ngram_k{p.eval.k}"] + suffix + [f"eagle3_k{p.eval.k}"]
+            + [f"drafter-{d['name']}_k{p.eval.k}" for d in p.eval.drafters])     # eval.drafters: evaluate.vllm_modes
 
 
 def engine_start(host: Host, work: Workload, eval_engine: bool = False) -> tuple[float, str]:
@@ -275,39 +289,109 @@ def target_speed_ratio(host: Host, work: Workload) -> float:
     return min(1.0, 135e6 / work.active_params)
 
 
-def decode_step_s(host: Host, work: Workload, batch: int, context: float, kv_bytes_per_token: float) -> float:
+def decode_step_s(host: Host, work: Workload, batch: int, context: float, kv: "KvCache") -> float:
     """One decode step on GPUs: the weights it touches (a MoE step at a large batch touches every
-    expert: the whole checkpoint; at batch 1 the active weights) plus the KV cache, over the HBM
-    bandwidth of the engine's GPUs, at least DECODE_STEP_FLOOR_S."""
+    expert: the whole checkpoint; at batch 1 the active weights), split over the engine's GPUs, plus
+    the KV cache each GPU reads (an MLA latent is held and read whole by every tensor-parallel rank;
+    K and V of other targets are split over them), at HBM_EFFICIENCY of one GPU's memory bandwidth;
+    at least DECODE_STEP_FLOOR_S."""
     _, bw, _ = GPU_KINDS[host.gpu]
     weights = work.checkpoint_bytes * (1.0 if batch > 1 else min(1.0, work.active_params / work.total_params))
-    kv = batch * context * kv_bytes_per_token
-    return max(DECODE_STEP_FLOOR_S, (weights + kv) / (host.gpus * bw * HBM_EFFICIENCY))
+    kv_per_gpu = batch * context * kv.bytes_per_token / (1 if kv.replicated else host.gpus)
+    return max(DECODE_STEP_FLOOR_S, (weights / host.gpus + kv_per_gpu) / (bw * HBM_EFFICIENCY))
 
 
-def kv_bytes_per_token(p: Params) -> float:
-    """bf16 KV cache per token: MLA's latent (512 + 64) per layer for DeepSeek-V3-style targets
-    (hidden 7168), else K and V of every layer (assumed from the shape)."""
-    s = p.target_shape() or {}
+@dataclass
+class KvCache:
+    bytes_per_token: float       # one token's KV cache, all layers
+    replicated: bool             # every tensor-parallel rank holds all of it (MLA's latent)
+    basis: str
+
+
+# Kimi-K2.5 / DeepSeek-V3's MLA (hidden 7168): kv_lora_rank and qk_rope_head_dim, used where the
+# target's config.json is not on this machine (assumed: the published config).
+KNOWN_MLA = {7168: (512, 64)}
+
+
+def target_config(p: Params) -> dict:
+    """The target's config.json (its text_config for multimodal wrappers), {} when not on this machine."""
+    path = Path(p.target.path) / "config.json"
+    try:
+        c = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return c.get("text_config", c) if isinstance(c, dict) else {}
+
+
+def kv_cache(p: Params) -> KvCache:
+    """The engine's KV cache per token in target.dtype: MLA's latent (kv_lora_rank + qk_rope_head_dim per
+    layer) from config.json, else Kimi-K2.5's known figures by hidden size (assumed), else K and V of every
+    layer from the shape (assumed)."""
+    s, c = p.target_shape() or {}, target_config(p)
     layers, h = s.get("num_hidden_layers", 1), s.get("hidden_size", 1)
+    elem = 4 if p.target.dtype == "float32" else 2
+    if c.get("kv_lora_rank"):
+        latent = c["kv_lora_rank"] + c.get("qk_rope_head_dim", 0)
+        return KvCache(elem * layers * latent, True, f"measured: config.json, MLA ({c['kv_lora_rank']} + "
+                       f"{c.get('qk_rope_head_dim', 0)}) x {layers} layers x {elem} bytes, on every GPU")
+    if h in KNOWN_MLA:
+        rank, rope = KNOWN_MLA[h]
+        return KvCache(elem * layers * (rank + rope), True, f"assumed: Kimi-K2.5's MLA ({rank} + {rope}) x {layers} "
+                       f"layers x {elem} bytes (config.json not on this machine), on every GPU")
     heads, kv_heads = s.get("num_attention_heads", 1), s.get("num_key_value_heads", 1)
-    per_layer = (512 + 64) if h == 7168 else 2 * h * kv_heads / heads
-    return 2 * layers * per_layer
+    return KvCache(elem * layers * 2 * h * kv_heads / heads, False,
+                   f"assumed from the shape: K and V of {layers} layers, split over the GPUs")
+
+
+def regen_batch(p: Params) -> tuple[int, str]:
+    """(sequences, basis) regeneration decodes at once: target.max_num_seqs, else REGEN_DECODE_BATCH (assumed)."""
+    if p.target.max_num_seqs is not None:
+        return p.target.max_num_seqs, "target.max_num_seqs"
+    return REGEN_DECODE_BATCH, "assumed; target.max_num_seqs not set"
+
+
+def collective_seconds(p: Params, host: Host, work: Workload, ranks: int) -> tuple[float, str]:
+    """(seconds, basis) of one micro-batch's collectives per rank over the kind's interconnect: FSDP's
+    all-gathers and reduce-scatter, or DDP's all-reduce (FSDP_BYTES_PER_*, DDP_BYTES_PER_TRAINABLE; a
+    ring moves (n-1)/n of them per rank). A model, assumed."""
+    link_bytes, link = INTERCONNECT[host.gpu]
+    fsdp = p.train.distributed == "fsdp"
+    moved = (FSDP_BYTES_PER_TRAINABLE * work.drafter_params + FSDP_BYTES_PER_FROZEN * work.frozen_params if fsdp
+             else DDP_BYTES_PER_TRAINABLE * work.drafter_params) * (ranks - 1) / ranks
+    what = ("FSDP all-gathers (forward, backward) and reduce-scatter of the bf16 trainable weights, all-gather of "
+            "the frozen embedding" if fsdp else "DDP all-reduce of the fp32 gradients")
+    return moved / link_bytes, (f"assumed: {moved / 1e9:,.1f} GB per micro-batch per rank ({what}) over {link} "
+                                f"at {link_bytes / 1e9:g} GB/s per direction")
+
+
+def gpu_train_rate(p: Params, host: Host, work: Workload) -> tuple[float, str]:
+    """Trainer tokens/s on GPUs: the H200 measurement scaled by the kind's bf16 FLOP/s and the drafter's
+    FLOPs per token, times the ranks at FSDP_SCALING; on several ranks each micro-batch takes at least its
+    collectives' time over the interconnect (collective_seconds: the larger of the two bounds the step)."""
+    flops, _, _ = GPU_KINDS[host.gpu]
+    ranks = p.train.nproc if p.train.distributed != "none" else 1
+    basis_flops = drafter_flops_per_token(H200_TRAIN_BASIS)
+    per_rank = H200_TRAIN_TOKENS_PER_S * flops / GPU_KINDS["H200"][0] * basis_flops / work.drafter_flops_per_token
+    basis = (f"measured on one H200 rank at Kimi shapes ({H200_TRAIN_TOKENS_PER_S:,.0f} tok/s, ttt 7), "
+             f"assumed to scale with bf16 FLOP/s to {host.gpu} ({host.gpu_basis}), with the drafter's "
+             f"FLOPs per token, and x {ranks} ranks x {FSDP_SCALING if ranks > 1 else 1.0} (FSDP)")
+    if ranks == 1:
+        return per_rank, basis
+    tokens = work.micro_batch_tokens or p.train.batch_tokens
+    compute_s = tokens / (per_rank * FSDP_SCALING)
+    comm_s, comm_basis = collective_seconds(p, host, work, ranks)
+    bound = "they bound the step" if comm_s > compute_s else "hidden under it"
+    basis += (f"; the collectives take {comm_s:.2f} s per micro-batch against the compute's {compute_s:.2f} s "
+              f"({bound}; {comm_basis})")
+    return ranks * tokens / max(compute_s, comm_s), basis
 
 
 def train_rate(p: Params, host: Host, work: Workload) -> tuple[float, str]:
-    """Trainer tokens/s: the GPU measurement scaled per GPU kind and ranks, or this CPU's record
-    scaled by the drafter's FLOPs per token and the dtype."""
+    """Trainer tokens/s: the GPU measurement scaled per GPU kind, ranks and interconnect (gpu_train_rate),
+    or this CPU's record scaled by the drafter's FLOPs per token and the dtype."""
     train_params = p.train
     if host.gpus:
-        flops, _, _ = GPU_KINDS[host.gpu]
-        ranks = train_params.nproc if train_params.distributed != "none" else 1
-        basis_flops = drafter_flops_per_token(H200_TRAIN_BASIS)
-        rate = H200_TRAIN_TOKENS_PER_S * flops / GPU_KINDS["H200"][0] * basis_flops / work.drafter_flops_per_token
-        rate *= ranks * (FSDP_SCALING if ranks > 1 else 1.0)
-        return rate, (f"measured on one H200 rank at Kimi shapes ({H200_TRAIN_TOKENS_PER_S:,.0f} tok/s, ttt 7), "
-                      f"assumed to scale with bf16 FLOP/s to {host.gpu} ({host.gpu_basis}), with the drafter's "
-                      f"FLOPs per token, and x {ranks} ranks x {FSDP_SCALING if ranks > 1 else 1.0} (FSDP)")
+        return gpu_train_rate(p, host, work)
     value, basis = cpu_rate(host, "train_tokens_per_s")
     b = host.train_basis
     if host.train_points:                # the record whose drafter is nearest in FLOPs per token
@@ -384,11 +468,14 @@ def regen_rate(p: Params, work: Workload, host: Host, backend: str, measured: di
         return measured["regen"][0], f"measured ({measured['regen'][1]})"
     if host.gpus:
         context = p.data.max_length / 2
-        step = decode_step_s(host, work, REGEN_DECODE_BATCH, context, kv_bytes_per_token(p))
-        return REGEN_DECODE_BATCH / step, (
-            f"assumed decode-bandwidth model: {REGEN_DECODE_BATCH} sequences per step, each step reads the "
-            f"checkpoint's {work.checkpoint_bytes / 1e9:,.0f} GB (every expert at this batch) and their KV cache "
-            f"over {host.gpus} x {GPU_KINDS[host.gpu][1] / 1e12:g} TB/s at {HBM_EFFICIENCY:.0%} "
+        batch, batch_basis = regen_batch(p)
+        kv = kv_cache(p)
+        step = decode_step_s(host, work, batch, context, kv)
+        return batch / step, (
+            f"assumed decode-bandwidth model: {batch} sequences per step ({batch_basis}), each step reads the "
+            f"checkpoint's {work.checkpoint_bytes / 1e9:,.0f} GB (every expert at this batch) over {host.gpus} x "
+            f"{GPU_KINDS[host.gpu][1] / 1e12:g} TB/s and their KV cache "
+            f"({'whole on every GPU' if kv.replicated else 'split'}) at {HBM_EFFICIENCY:.0%} "
             f"({host.gpu}, {host.gpu_basis})")
     ratio = target_speed_ratio(host, work)
     if backend == "vllm":
@@ -590,7 +677,7 @@ def decode_stage(p: Params, work: Workload, host: Host, stage: Stage, which: str
         groups = (1 + len(e.domains)) * temps - 1 if (e.domains or e.sample_temperatures) else 0
         prompts += groups * e.breadth_prompts
     if host.gpus:
-        plain = 1 / decode_step_s(host, work, 1, new, kv_bytes_per_token(p))
+        plain = 1 / decode_step_s(host, work, 1, new, kv_cache(p))
         basis = (f"assumed decode-bandwidth model at batch 1: active weights over {host.gpus} x "
                  f"{GPU_KINDS[host.gpu][1] / 1e12:g} TB/s, at least {DECODE_STEP_FLOOR_S * 1e3:.0f} ms per step; "
                  f"speculative modes x {GPU_SPEC_SPEEDUP}")

@@ -24,10 +24,11 @@ class SplitStats:
     truncated: int
     dropped_no_assistant_tokens: int
     template_error: int
+    control_token_text: int = 0       # chats skipped: their text holds a special token's text (data.py)
 
     @classmethod
     def from_json(cls, d: dict) -> "SplitStats":
-        return cls(**{f.name: int(d[f.name]) for f in fields(cls)})
+        return cls(**{f.name: int(d[f.name]) for f in fields(cls) if f.name in d or f.default is MISSING})
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class RegenStats:
     train_original_answers: int
     cut_inconsistent: int = 0         # chats ended before a turn whose prompt did not extend the sequence
     cut_at_tool_result: int = 0       # chats ended after an answer the dataset's tool results follow
+    dropped_control_token_text: int = 0   # chats not sent: their text holds a special token's text
 
     @classmethod
     def from_json(cls, d: dict) -> "RegenStats":

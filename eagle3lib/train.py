@@ -59,6 +59,7 @@ from .checkpoints import (
     save_final,
 )
 from .dist import Dist
+from .drafters import check_drafter, drafter_state_dict
 from .files import atomic_write_json, check_run_links, read_json, remove_tree, run_lock, update_metrics
 from .fingerprint import target_fingerprint
 from .layout import RunLayout
@@ -271,8 +272,68 @@ def init_from_target_layer(drafter: Eagle3Drafter, target_dir: Path, layer: int,
             drafter.fc.weight[:, 2 * H:] = torch.diag(diag)
 
 
+def init_from_drafter(drafter: Eagle3Drafter, path: Path, target_dir: Path,
+                      scale: Optional[torch.Tensor] = None) -> dict:
+    """Start from a trained drafter (train.init_from_drafter): a public Llama-layout EAGLE-3 drafter
+    or an earlier run's export, its weights mapped by name (drafters.drafter_state_dict: `midlayer.*`
+    and `layers.0.*` alike). Checked first against the target and this run's aux layers
+    (drafters.check_drafter: hidden size, vocabulary, aux ids as vLLM counts them), then shape by shape.
+
+    - The run's own draft vocabulary (02's d2t / t2d) is kept and the lm_head rows are mapped: each
+      draft token's row is the drafter's row of the same target token where the drafter's vocabulary
+      holds it (a full-vocabulary drafter holds every one); the others keep their init.
+    - fc is stored in raw-aux units; with fc_input_scaling the trainer's fc reads aux / s, so it
+      starts at fc * s (the inverse of batches.fold_aux_scale).
+    - The frozen input embedding stays the target's; optimizer and schedule start fresh.
+    -> {"weights": names copied, "lm_head_rows": [copied, draft vocabulary size]}."""
+    state, src_d2t, _, info = drafter_state_dict(path)
+    check_drafter(info, target_dir, drafter.config.aux_layer_ids)
+    ours = dict(drafter.named_parameters())
+    copied = []
+    with torch.no_grad():
+        for name, w in state.items():
+            if name in ("lm_head.weight", "embed_tokens.weight"):
+                continue
+            if name not in ours:
+                raise ValueError(f"train.init_from_drafter: {path}: {name} has no place in this drafter "
+                                 f"(train.draft_layers {drafter.config.num_hidden_layers}); use a drafter of the "
+                                 "same depth or set train.draft_layers to it")
+            if ours[name].shape != w.shape:
+                raise ValueError(f"train.init_from_drafter: {path}: {name} is {tuple(w.shape)}, this drafter's is "
+                                 f"{tuple(ours[name].shape)}: the shapes cannot map (another target or layout)")
+            w = w.float()
+            if name == "fc.weight" and scale is not None:
+                w = w * scale.reshape(1, -1).to(w)                  # [H, 3H]: fc reads aux / s
+            ours[name].copy_(w.to(ours[name].dtype))
+            copied.append(name)
+        missing = sorted(n for n in ours if n not in copied and n not in ("lm_head.weight", "embed_tokens.weight"))
+        if missing:
+            raise ValueError(f"train.init_from_drafter: {path} has no {', '.join(missing[:4])}: not an EAGLE-3 "
+                             "drafter of this layout")
+        rows = _map_lm_head_rows(drafter, state["lm_head.weight"], src_d2t)
+    return {"weights": copied, "lm_head_rows": [rows, drafter.config.draft_vocab_size]}
+
+
+def _map_lm_head_rows(drafter: Eagle3Drafter, src_head: torch.Tensor, src_d2t: Optional[torch.Tensor]) -> int:
+    """Copy src_head's row of each target token into the drafter's row of the same token; -> rows copied.
+    A draft index i names target token i + d2t[i]; without d2t the source head is indexed by target id."""
+    ours = torch.arange(drafter.config.draft_vocab_size) + drafter.d2t.cpu()            # [Dv] target ids
+    if src_d2t is None:
+        src_row = {int(t): int(t) for t in ours if int(t) < src_head.shape[0]}
+    else:
+        src_row = {int(t): i for i, t in enumerate((torch.arange(len(src_d2t)) + src_d2t).tolist())}
+    pairs = [(i, src_row[int(t)]) for i, t in enumerate(ours.tolist()) if int(t) in src_row]
+    if pairs:
+        dst, src = (torch.tensor(x) for x in zip(*pairs))
+        drafter.lm_head.weight[dst.to(drafter.lm_head.weight.device)] = \
+            src_head[src].to(drafter.lm_head.weight)
+    return len(pairs)
+
+
 def build_drafter(params: Params, target_dir: Path, hidden_size: int, aux_layers: list, d2t, t2d,
-                  scale: Optional[torch.Tensor] = None) -> Eagle3Drafter:
+                  scale: Optional[torch.Tensor] = None) -> tuple[Eagle3Drafter, Optional[dict]]:
+    """The drafter 04 trains, from noise, a target layer (train.init_from_layer) or a trained drafter
+    (train.init_from_drafter). -> (drafter, the warm start's report or None)."""
     train_params = params.train
     hf = read_json(Path(target_dir) / "config.json")   # plain JSON: no transformers import needed
     config = Eagle3Config.from_target_config(
@@ -289,9 +350,12 @@ def build_drafter(params: Params, target_dir: Path, hidden_size: int, aux_layers
         hf_layers = (hf.get("text_config") or hf)["num_hidden_layers"]
         layer = train_params.init_from_layer % hf_layers
         init_from_target_layer(drafter, target_dir, layer, scale)
+    warm = None
+    if train_params.init_from_drafter is not None:
+        warm = init_from_drafter(drafter, Path(train_params.init_from_drafter), target_dir, scale)
     if train_params.freeze_lm_head:
         drafter.lm_head.weight.requires_grad_(False)
-    return drafter
+    return drafter, warm
 
 
 
@@ -386,8 +450,11 @@ def setup(params: Params, layout: RunLayout, dist: Dist, device: torch.device,
     # noise is in units of s: the batch already holds aux / s when fc_input_scaling is on
     feature_noise = train_params.feature_noise > 0 and not train_params.fc_input_scaling
     noise_scale = aux_scale(cache) if feature_noise else None
-    drafter = build_drafter(params, target_path(params), cache.hidden_size, cache.aux_layers, d2t, t2d,
-                            scale).to(device)
+    drafter, warm = build_drafter(params, target_path(params), cache.hidden_size, cache.aux_layers, d2t, t2d, scale)
+    drafter = drafter.to(device)
+    if warm is not None and dist.rank == 0:
+        print(f"[train] warm start from {params.train.init_from_drafter}: {len(warm['weights'])} weights, "
+              f"lm_head rows {warm['lm_head_rows'][0]:,} of {warm['lm_head_rows'][1]:,} mapped by target token")
     drafter.embed_tokens.to(frozen_dtype(train_params, device))
     drafter.configure_training(train_params.attention, train_params.activation_checkpointing, device)
     scoring = build_scoring(params, layout, drafter, device, scale=scale, compile=train_params.compile)

@@ -3,6 +3,7 @@ tables of `evaluate` (one row per method; the baseline row is named PLAIN), neve
 
     text = eagle3_verdict(summary, vllm_summary, eagle3="eagle3_k3", ngram="ngram_k3_n1-4")   # 05_eval
     text = ngram_verdict(summary, vllm_summary)                                        # 01_ngram_baseline
+    lines = drafter_verdict(vllm_summary, "eagle3_k3", {"kimi": "drafter-kimi_k3"})    # 05: public drafters
     fig = plot_speed_and_acceptance(summary, vllm_summary)
     text = breadth_verdict(breadth)        # 05_eval's breadth table: who wins per (domain, temperature)
     fig = plot_breadth(breadth)
@@ -92,9 +93,11 @@ def ngram_verdict(summary, vllm_summary=None) -> str:
     return "\n".join(lines)
 
 
-def eagle3_verdict(summary, vllm_summary=None, eagle3: Optional[str] = None, ngram: Optional[str] = None) -> str:
+def eagle3_verdict(summary, vllm_summary=None, eagle3: Optional[str] = None, ngram: Optional[str] = None,
+                   drafters: Optional[dict] = None) -> str:
     """A verdict computed from the numbers: per-backend speed of every method versus plain, and,
-    when both are given, EAGLE-3 versus n-gram and the eagle3lib/vLLM acceptance agreement."""
+    when both are given, EAGLE-3 versus n-gram and the eagle3lib/vLLM acceptance agreement;
+    `drafters` ({public drafter name: its vLLM mode}): the trained drafter against each (drafter_verdict)."""
     lines = method_sentences(summary, "eagle3lib")
     if vllm_summary is not None and not vllm_summary.empty:
         lines += method_sentences(vllm_summary, "vLLM")
@@ -116,12 +119,47 @@ def eagle3_verdict(summary, vllm_summary=None, eagle3: Optional[str] = None, ngr
             lines.append(f"Acceptance length eagle3lib {a['acceptance_length']:.2f} vs vLLM "
                          f"{b['acceptance_length']:.2f}: they {agree} ({rel:.0%} apart; the prompt sets may differ"
                          f" in size).")
+    lines += drafter_verdict(vllm_summary, eagle3, drafters or {})
     lossy = [r["method"] for _, r in summary.iterrows() if r["method"] != PLAIN and
              r["lossless"].split("/")[0] != r["lossless"].split("/")[1]]
     if lossy:
         lines.append(f"Outputs differ from plain greedy for {', '.join(lossy)} on some prompts "
                      "(expected only in bf16 or at T > 0; in fp32 at T=0 this would be a bug).")
     return "\n".join(lines)
+
+
+def _word(ratio: float) -> str:
+    return "beats" if ratio >= 1 + TIE else ("loses to" if ratio <= 1 - TIE else "ties with")
+
+
+def compare_drafters(trained, public) -> dict:
+    """The trained drafter's vLLM row against a public drafter's (same engines' run, same prompts):
+    decode tokens/s ratio with its word (beats / ties with / loses to, TIE apart) and acceptance
+    length with its word (counts at T=0 are exact, so any difference beyond rounding counts)."""
+    ratio = trained["tokens_per_s"] / public["tokens_per_s"] if public["tokens_per_s"] > 0 else float("nan")
+    diff = round(float(trained["acceptance_length"]) - float(public["acceptance_length"]), 2)
+    return {"tokens_per_s_ratio": float(ratio), "speed": _word(ratio),
+            "acceptance": "beats" if diff > 0 else ("loses to" if diff < 0 else "ties with"),
+            "acceptance_length": [float(trained["acceptance_length"]), float(public["acceptance_length"])]}
+
+
+def drafter_verdict(vllm_summary, eagle3: Optional[str], drafters: dict) -> list:
+    """One sentence per public drafter ({name: its vLLM mode}): whether the trained drafter (mode
+    `eagle3`) beats it in decode tokens/s and in acceptance length."""
+    lines = []
+    trained = row_of(vllm_summary, eagle3) if eagle3 else None
+    for name, mode in drafters.items():
+        public = row_of(vllm_summary, mode)
+        if public is None or trained is None:
+            lines.append(f"vLLM: public drafter {name} ({mode}) not compared: "
+                         + ("it has no vLLM row." if public is None else "there is no trained EAGLE-3 row."))
+            continue
+        c = compare_drafters(trained, public)
+        lines.append(f"vLLM: the trained drafter ({eagle3}) {c['speed']} public drafter {name} ({mode}) in decode "
+                     f"tokens/s ({c['tokens_per_s_ratio']:.2f}x its {public['tokens_per_s']:.1f}) and "
+                     f"{c['acceptance']} it in acceptance length ({trained['acceptance_length']:.2f} vs "
+                     f"{public['acceptance_length']:.2f}).")
+    return lines
 
 
 def _repeat_failed(flag) -> bool:

@@ -1,13 +1,17 @@
 """The module map's import rules, checked by reading the source with `ast` (nothing is imported, so
 this runs without torch). docs/architecture.md states the map; this file enforces it:
 
-- no import cycles between eagle3lib modules (module-level imports);
+- no import cycles between eagle3lib modules (module-level imports, nor through imports inside
+  functions);
+- the planners (`plan`, `mode_plan`, `stage_times`, `memory`, `preflight`, `engine_memory`) are imported
+  only by the entry points and `train`: nothing they model reaches up to them;
 - nothing imports the entry points (`runner`, `cli`), except `cli` loading `runner` lazily;
-- inference (`decode`, `export`, `evaluate`, `verdict`) never reaches training (`train`, `objective`,
+- inference (`decode`, `export`, `drafters`, `evaluate`, `verdict`) never reaches training (`train`, `objective`,
   `batches`, `checkpoints`, `muon`, `memory`), directly or through another module;
 - training and evaluation read the cache through `cache`, never through the extraction stage;
 - committed notebooks carry no outputs;
-- the light modules (`params`, `layout`, `files`, `plan`, `mode_plan`, `cli`, `stage_times`, `preflight`) load no
+- the light modules (`params`, `layout`, `files`, `plan`, `mode_plan`, `cli`, `stage_times`, `preflight`,
+  `checkpoint_keys`) load no
   heavy package (torch, transformers, vllm, datasets, ...) at import time, directly or through another
   eagle3lib module.
 """
@@ -23,10 +27,12 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "eagle3lib"
 HEAVY = {"torch", "transformers", "vllm", "datasets", "safetensors", "numpy", "pandas", "matplotlib",
          "papermill", "nbformat", "pyarrow", "gguf", "ipywidgets", "tqdm"}
-LIGHT = ("params", "layout", "files", "plan", "mode_plan", "cli", "stage_times", "preflight")
-INFERENCE = ("decode", "export", "evaluate", "verdict")
+LIGHT = ("params", "layout", "files", "plan", "mode_plan", "cli", "stage_times", "preflight", "checkpoint_keys")
+INFERENCE = ("decode", "export", "drafters", "evaluate", "verdict")
 TRAINING = ("train", "objective", "batches", "checkpoints", "muon", "memory")
 ENTRY_POINTS = ("runner", "cli")
+PLANNERS = ("plan", "mode_plan", "stage_times", "memory", "preflight", "engine_memory")
+PLANNER_USERS = ENTRY_POINTS + ("train",)
 
 
 def modules() -> list:
@@ -120,7 +126,21 @@ def test_the_parser_sees_every_kind_of_import():
 
 
 def test_no_import_cycles():
+    """Not at module level, and not through an import inside a function either: a lazy import only
+    defers a circle (batches reached up to mode_plan for a constant, which reached plan and memory,
+    which reached objective, which reached batches)."""
     assert find_cycle({m: g[0] for m, g in graph().items()}) == []
+    assert find_cycle({m: g[0] | g[1] for m, g in graph().items()}) == []
+
+
+def test_the_planners_sit_above_what_they_model():
+    """Only the entry points and the training stage (which refuses a step that does not fit) import
+    a planner; the constants a planner needs live with the code they describe (PREFETCH_FACTOR in
+    batches), read by the planner."""
+    for m, (eager, lazy, _) in graph().items():
+        if m in PLANNERS or m in PLANNER_USERS:
+            continue
+        assert not (eager | lazy) & set(PLANNERS), f"{m} imports planner(s) {sorted((eager | lazy) & set(PLANNERS))}"
 
 
 def test_a_planted_cycle_is_found():

@@ -3,6 +3,7 @@ forms chats.py reads without a converter, with caps that give the planned chats.
 import re
 
 import datasets
+import pytest
 import yaml
 
 from eagle3lib.chats import load_chats
@@ -36,9 +37,11 @@ def test_the_public_corpora_are_read_as_saved_without_a_converter(tmp_path):
     assert {c["messages"][0]["role"] for c in chats} == {"user", "system"}
 
 
-def test_b300_names_each_public_corpus_with_the_command_that_fetches_it():
-    text = open("params/b300.yaml").read()
-    p = load_params("params/b300.yaml")
+@pytest.mark.parametrize("name", ["b300", "rtx-pro-6000"])
+def test_b300_names_each_public_corpus_with_the_command_that_fetches_it(name):
+    """data.source is stated once, in rtx-pro-6000.yaml, which b300.yaml inherits: its comment holds the commands."""
+    text = open("params/rtx-pro-6000.yaml").read()
+    p = load_params(f"params/{name}.yaml")
     public = [path for path, _, _ in data_sources(p.data.source) if path != "sharegpt"]
     assert {path.rsplit("/", 1)[1] for path in public} == set(ROWS)
     for path in public:                          # the profile's comment writes exactly that folder

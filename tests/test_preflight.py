@@ -13,12 +13,13 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3lib import preflight
+from eagle3lib.batches import PREFETCH_FACTOR
+from eagle3lib.checkpoint_keys import TargetHeadError
 from eagle3lib.cli import main
 from eagle3lib.layout import RunLayout
 from eagle3lib.params import ParamsError, load_params
 from eagle3lib.plan import capacity_plan, refuse_full_run
 from eagle3lib.preflight import (
-    TargetHeadError,
     disk_read_check,
     head_check,
     remote_import_problems,
@@ -163,7 +164,7 @@ def workers_profile(tmp_path, workers: int = 2):
 def test_shm_need_over_the_free_size_is_refused_with_the_fixes(tmp_path):
     p = workers_profile(tmp_path)
     need = shm_need_bytes(p, 576)
-    assert need == 1 * 2 * preflight.PREFETCH_FACTOR * p.train.batch_tokens * (4 * 576 * 2 + 9)
+    assert need == 1 * 2 * PREFETCH_FACTOR * p.train.batch_tokens * (4 * 576 * 2 + 9)
     refused = shm_check(p, 576, free=need / 2)
     assert refused.verdict == "refuse" and "--shm-size" in refused.text and "train.num_workers (2 now" in refused.text
     assert refused.basis.startswith("measured here (")

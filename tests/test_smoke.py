@@ -120,12 +120,13 @@ def test_the_slice_of_eight_ranks_scales_its_micro_batch_and_its_chats():
         schedule(SimpleNamespace(lengths=modelled_lengths(old, "spread")), old.train, old.seed, 8)
 
 
-def test_b300_smoke_keeps_the_parallel_layout_and_reads_every_source():
-    full = load_params(ROOT / "params" / "b300.yaml")
+@pytest.mark.parametrize("name,backend", [("b300", None), ("rtx-pro-6000", "TRITON_MLA")])
+def test_b300_smoke_keeps_the_parallel_layout_and_reads_every_source(name, backend):
+    full = load_params(ROOT / "params" / f"{name}.yaml")
     smoke = smoke_params(full)
     b = branches(smoke)
     assert b["engine layout"] == {"tensor_parallel": 8, "data_parallel": 1, "expert_parallel": True,
-                                  "enforce_eager": False}
+                                  "enforce_eager": False, "attention_backend": backend}
     assert b["training"]["distributed"] == "fsdp" and b["training"]["processes"] == 8
     assert b["checkpoint format"] == "dcp" and b["regeneration"] == "vllm" and b["extraction"]["backend"] == "vllm"
     assert b["scaling study"]["on"] and b["reference decoder"] == "never"

@@ -82,12 +82,13 @@ def test_b300_plan_marks_every_figure_and_counts_every_engine_start(tmp_path):
 def test_gpu_training_is_the_h200_measurement_scaled_per_gpu_kind(tmp_path):
     """At the measured shapes (Kimi, ttt 7, draft vocab 32k) on one H200 rank the plan's rate IS the
     measurement; on a B300 it scales by dense bf16 FLOP/s, on 8 ranks by 8 x the FSDP share."""
-    one = {"train": {"nproc": 1, "distributed": "none", "ttt_steps": 7, "gpu_memory_gb": 141},
+    one = {"train": {"nproc": 1, "distributed": "none", "ttt_steps": 7, "gpu_memory_gb": 141, "gpu_kind": "H200"},
            "target": {"tensor_parallel_size": 1}}
     h200 = capacity_plan(load_params("params/b300.yaml", one), memory=False, layout=RunLayout(tmp_path / "a"))
     assert h200["train_tokens_per_s"] == pytest.approx(H200_TRAIN_TOKENS_PER_S)
     assert h200["train_rate_basis"].startswith("measured on one H200 rank")
-    b300 = capacity_plan(load_params("params/b300.yaml", {**one, "train": {**one["train"], "gpu_memory_gb": 288}}),
+    b300 = capacity_plan(load_params("params/b300.yaml", {**one, "train": {**one["train"], "gpu_memory_gb": 288,
+                                                                           "gpu_kind": "B300"}}),
                          memory=False, layout=RunLayout(tmp_path / "b"))
     flops = stage_times.GPU_KINDS
     assert b300["train_tokens_per_s"] == pytest.approx(H200_TRAIN_TOKENS_PER_S * flops["B300"][0] / flops["H200"][0])
@@ -96,13 +97,19 @@ def test_gpu_training_is_the_h200_measurement_scaled_per_gpu_kind(tmp_path):
 
 
 def test_regeneration_is_bandwidth_bound_and_extraction_io_bound(tmp_path):
-    """Regeneration follows HBM bandwidth (half the GPUs: half the rate); extraction's I/O (save,
-    copy, hash of the cache) outweighs its prefill at Kimi scale; verification is seconds per GB."""
+    """Regeneration follows HBM bandwidth (half the GPUs: each reads twice the weights, and the whole MLA
+    KV cache as before); extraction's I/O (save, copy, hash of the cache) outweighs its prefill at Kimi
+    scale; verification is seconds per GB."""
     full = capacity_plan(load_params("params/b300.yaml"), memory=False, layout=RunLayout(tmp_path / "a"))
     half = capacity_plan(load_params("params/b300.yaml", {"target": {"tensor_parallel_size": 4},
                                                           "train": {"nproc": 4}}),
                          memory=False, layout=RunLayout(tmp_path / "b"))
-    assert half["regen_tokens_per_s"] == pytest.approx(full["regen_tokens_per_s"] / 2, rel=0.01)
+    bandwidth = stage_times.GPU_KINDS["B300"][1] * stage_times.HBM_EFFICIENCY
+    weights_s = full["checkpoint_bytes"] / 8 / bandwidth                    # each of 8 GPUs reads its eighth
+    kv_s = stage_times.REGEN_DECODE_BATCH * 2048 * 61 * 576 * 2 / bandwidth   # 256 x max_length / 2, on every GPU
+    batch = stage_times.REGEN_DECODE_BATCH
+    assert full["regen_tokens_per_s"] == pytest.approx(batch / (weights_s + kv_s))
+    assert half["regen_tokens_per_s"] == pytest.approx(batch / (2 * weights_s + kv_s))
     assert "decode-bandwidth" in full["regen_rate_basis"] and "MFU" not in full["regen_rate_basis"]
     extract = {q["name"].split()[0]: q["seconds"] for q in full["stages"]["extract"]["parts"]}
     assert extract["connector"] + extract["parent"] + extract["writer's"] > 3 * extract["prefill"]

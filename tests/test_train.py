@@ -801,3 +801,42 @@ def test_a_run_with_max_sequences_trains_on_that_many_chats(tmp_path, sharp_targ
     summary_full = train(params_full, params_full.run_dir(), progress=False)
     assert summary["train_sequences"] == 8 and summary_full["train_sequences"] == 24
     assert summary["steps"] < summary_full["steps"] and summary["epochs_done"] == pytest.approx(1.0)
+
+
+def test_a_warm_start_begins_at_the_drafters_held_out_accuracy_and_trains_on(tmp_path, sharp_target_dir):
+    """train.init_from_drafter: a run started from an exported drafter (train/final, fc folded into raw-aux
+    units) scores on the held-out set what that drafter scored at its end, not what a fresh drafter
+    scores; then it trains on. A drafter of another depth is refused naming the weight."""
+    import shutil
+
+    from eagle3lib.dist import Dist
+    from eagle3lib.layout import RunLayout
+    from eagle3lib.train import heldout_eval, setup
+    path = make_run(tmp_path, sharp_target_dir, {"max_steps": 16, "resume": False})
+    params = load_params(path)
+    first = train(params, params.run_dir(), progress=False)
+    shutil.copytree(params.run_dir() / "train" / "final", tmp_path / "drafter")
+
+    def held_out(overrides: dict) -> dict:
+        profile = yaml.safe_load(path.read_text())
+        profile["train"].update(overrides)
+        path.write_text(yaml.safe_dump(profile))
+        p = load_params(path)
+        run = setup(p, RunLayout(p.run_dir()), Dist(), torch.device("cpu"))
+        return heldout_eval(run)
+
+    from eagle3lib.export import LAYOUTS, export_vllm
+    for layout in LAYOUTS:               # vLLM's names (layers.0.*) in the export layouts a user downloads
+        export_vllm(tmp_path / "drafter", tmp_path / f"export-{layout}", sharp_target_dir, layout=layout, k=3)
+    fresh = held_out({})
+    for source in ["drafter"] + [f"export-{layout}" for layout in LAYOUTS]:
+        warm = held_out({"init_from_drafter": str(tmp_path / source)})
+        for j, acc in enumerate(first["eval"]["acc"]):
+            assert warm["acc"][j] == pytest.approx(acc, abs=0.01), (source, warm["acc"], first["eval"]["acc"])
+        assert warm["loss"][0] == pytest.approx(first["eval"]["loss"][0], rel=1e-3), source
+        assert warm["loss"][0] < 0.9 * fresh["loss"][0], (source, warm["loss"], fresh["loss"])
+    held_out({"init_from_drafter": str(tmp_path / "drafter"), "max_steps": 4, "checkpoint_every": 4})
+    second = train(load_params(path), params.run_dir(), progress=False)
+    assert second["steps"] == 4 and second["eval"]["loss"][0] <= 1.05 * first["eval"]["loss"][0]
+    with pytest.raises(ValueError, match="later_layers|draft_layers"):
+        held_out({"init_from_drafter": str(tmp_path / "drafter"), "draft_layers": 2})
