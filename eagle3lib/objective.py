@@ -446,7 +446,8 @@ def heldout_scores(model: nn.Module, batches: list, ttt_steps: int, amp, max_ans
             sel = b == row
             r, a = replay_chain(u[sel], correct[sel], ttt_steps, max_answer_tokens)
             rounds, accepted = rounds + r, accepted + a
-            r, a = replay_chain(u[sel], correct[sel], replay_k, max_answer_tokens)
+            if replay_k != ttt_steps:                      # else the replay above is the one at 05's k
+                r, a = replay_chain(u[sel], correct[sel], replay_k, max_answer_tokens)
             rounds_k, accepted_k = rounds_k + r, accepted_k + a
     model.train(was_training)
     if reduce is not None:
